@@ -1,0 +1,82 @@
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# Test the installed package, not the source tree: `python -m pytest` puts the checkout on sys.path, where
+# `kernels/` would shadow Hugging Face's `kernels` package (it is installed as `turboquant_hf.kernels`).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import turboquant_hf  # noqa: E402,F401  (registers the quantizer)
+
+
+def make_tokenizer(directory: str, vocab_size: int = 256):
+    """A small word-level tokenizer saved as tokenizer.json (enough for pipelines and the reference writer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    words = "the a of to and in is it you that he was for on are with as his they be at one have this".split()
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    while len(vocab) < vocab_size:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    return fast
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=352,  # not a multiple of 64 or 128: exercises padding of down_proj
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny Llama saved in bf16 with a tokenizer; weights drawn with a realistic spread (std 0.05)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    d = str(tmp_path_factory.mktemp("tiny_llama"))
+    model.to(torch.bfloat16).save_pretrained(d)
+    make_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from offline_assets import smollm2_base
+
+    return smollm2_base()
+
+
+@pytest.fixture(scope="session")
+def shakespeare():
+    from offline_assets import shakespeare_text
+
+    return shakespeare_text()

@@ -1,0 +1,86 @@
+"""Checkpoints written by the independent reference package's own CPU writer load here unchanged."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear
+
+ref_ckpt = pytest.importorskip("turboquant_vllm.checkpoint")
+ref_ops = pytest.importorskip("turboquant_vllm.torch_ops")
+ref_wq = pytest.importorskip("turboquant_vllm.weight_quant")
+
+
+@pytest.fixture(scope="module", params=[(3, 128, None), (2, 64, 4)], ids=["3bit-g128", "2bit-g64-sensitive4"])
+def reference_dir(request, tiny_llama_dir, tmp_path_factory):
+    bits, group_size, sensitive = request.param
+    out = str(tmp_path_factory.mktemp("reference_tq3"))
+    ref_ckpt.save_tq3_checkpoint(tiny_llama_dir, out, bits=bits, group_size=group_size, sensitive_bits=sensitive)
+    return out, bits, group_size, sensitive
+
+
+def _reference_dequantized_model(directory, group_size):
+    """A plain float32 model holding the reference package's own dequantization of every packed tensor."""
+    tq = json.load(open(os.path.join(directory, "tq_config.json")))
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)  # no quantization_config: plain
+    state = {}
+    for name in [k for k in tensors if k.endswith(".tq_packed")]:
+        key = name[: -len(".tq_packed")]
+        packed, norms = tensors[name], tensors[key + ".tq_norms"]
+        bits = ref_wq.bits_from_packed_group_bytes(packed.shape[1], group_size)
+        q = ref_ops.PolarQuantTorch(group_size, bits, seed=42, device="cpu")
+        rows, n_groups = norms.shape
+        w = q.dequantize(ref_wq.unpack_indices(packed, bits, group_size), norms.flatten())
+        in_features = tq.get("orig_in_dims", {}).get(key, n_groups * group_size)
+        state[key] = w.reshape(rows, n_groups * group_size)[:, :in_features]
+    for k, v in tensors.items():
+        if not k.endswith((".tq_packed", ".tq_norms")):
+            state[k] = v.float()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return model
+
+
+def test_reference_checkpoint_loads_and_matches(reference_dir):
+    directory, bits, group_size, sensitive = reference_dir
+    config = json.load(open(os.path.join(directory, "config.json")))
+    assert "quantization_config" not in config  # as the published checkpoints
+    ours = AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=TurboQuantConfig(), dtype=torch.float32
+    )
+    # bits and group size come from the files, not from the default config passed in
+    assert ours.config.quantization_config.group_size == group_size
+    layers = {n: m for n, m in ours.named_modules() if isinstance(m, TurboQuantLinear)}
+    assert len(layers) == 14
+    for name, m in layers.items():
+        expect = sensitive if sensitive and name.endswith(("o_proj", "down_proj")) else bits
+        assert (m.bits, m.group_size) == (expect, group_size), name
+    reference = _reference_dequantized_model(directory, group_size)
+    ids = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = reference(ids).logits, ours(ids).logits
+    assert ((a - b).norm() / a.norm()).item() < 1e-5
+
+
+def test_reference_checkpoint_round_trips_byte_identical(reference_dir, tmp_path):
+    directory, bits, group_size, _ = reference_dir
+    ours = AutoModelForCausalLM.from_pretrained(directory, quantization_config=TurboQuantConfig(), dtype=torch.float16)
+    ours.save_pretrained(tmp_path)
+    a = load_file(os.path.join(directory, "model.safetensors"))
+    b = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    tq = json.load(open(os.path.join(tmp_path, "tq_config.json")))
+    ref_tq = json.load(open(os.path.join(directory, "tq_config.json")))
+    for key in ("format", "bits", "group_size", "quantizer_seed", "compressed_layers", "orig_in_dims",
+                "sensitive_bits", "sensitive_patterns"):
+        assert tq.get(key) == ref_tq.get(key), key
+    # and now config.json records it: no arguments needed any more
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(again.model.layers[0].mlp.down_proj, TurboQuantLinear)

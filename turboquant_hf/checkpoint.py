@@ -1,0 +1,97 @@
+"""Reading and describing tq3_native checkpoints on disk (headers only; weights move as safetensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any, Iterable
+
+from . import format as fmt
+
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is incomplete, truncated or inconsistent."""
+
+
+def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
+    """`{name: {"dtype", "shape"}}` from a .safetensors file's header, after checking the file is complete."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: unreadable safetensors header: {e}") from e
+    header.pop("__metadata__", None)
+    data_end = 8 + n + max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if data_end > size:
+        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, tensors need {data_end})")
+    out = {}
+    for name, info in header.items():
+        start, stop = info["data_offsets"]
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        if stop - start != numel * _DTYPE_BYTES.get(info["dtype"], 0):
+            raise CheckpointError(f"{path}: tensor {name} has {stop - start} bytes for shape {info['shape']}")
+        out[name] = {"dtype": info["dtype"], "shape": tuple(info["shape"])}
+    return out
+
+
+def read_checkpoint_index(files: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Merged header index of every safetensors file in `files` (other files are ignored)."""
+    index: dict[str, dict[str, Any]] = {}
+    for path in files or ():
+        if str(path).endswith(".safetensors"):
+            index.update(read_safetensors_header(str(path)))
+    return index
+
+
+def read_tq_config(directory: str) -> dict[str, Any] | None:
+    path = os.path.join(directory, fmt.TQ_CONFIG_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def packed_weight_keys(index: dict[str, Any]) -> list[str]:
+    """Checkpoint names `X.weight` whose `X.weight.tq_packed` is stored."""
+    return sorted(k[: -len(fmt.PACKED_SUFFIX)] for k in index if k.endswith(fmt.PACKED_SUFFIX))
+
+
+def check_packed_tensor(index: dict[str, Any], key: str, rows: int, in_features: int, group_size: int) -> int:
+    """Validate `key.tq_packed` / `key.tq_norms` against a layer of `rows` x `in_features`; return its codebook size."""
+    packed_name, norms_name = key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX
+    n_groups = -(-in_features // group_size)
+    for name in (packed_name, norms_name):
+        if name not in index:
+            raise CheckpointError(f"checkpoint is missing {name} (needed for the quantized layer {key})")
+    packed, norms = index[packed_name], index[norms_name]
+    if norms["dtype"] != "F32" or norms["shape"] != (rows, n_groups):
+        raise CheckpointError(
+            f"{norms_name}: expected float32 of shape {(rows, n_groups)} for a {rows}x{in_features} layer at "
+            f"group_size {group_size}, found {norms['dtype']} {norms['shape']}"
+        )
+    if packed["dtype"] != "U8" or len(packed["shape"]) != 2 or packed["shape"][0] != rows * n_groups:
+        raise CheckpointError(
+            f"{packed_name}: expected uint8 of shape ({rows * n_groups}, bytes_per_group), found "
+            f"{packed['dtype']} {packed['shape']}"
+        )
+    try:
+        return fmt.levels_from_geometry(packed["shape"][1], group_size)
+    except ValueError as e:
+        raise CheckpointError(f"{packed_name}: {e}") from e
+
+
+def checkpoint_dirs(files: Iterable[str]) -> list[str]:
+    return sorted({os.path.dirname(str(p)) for p in files or ()})

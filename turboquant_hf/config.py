@@ -1,0 +1,131 @@
+"""`TurboQuantConfig`: what to quantize, at which bit width, with which group size."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from . import format as fmt
+
+QUANT_METHOD = "turboquant"
+
+# Modules kept in full precision unless the user gives their own list.
+DEFAULT_MODULES_TO_NOT_CONVERT = ["lm_head"]
+
+_KNOWN_KEYS = {
+    "bits",
+    "group_size",
+    "modules_to_not_convert",
+    "module_bits",
+    "sensitive_bits",
+    "sensitive_patterns",
+    "format",
+    "quantizer_seed",
+    "quant_method",
+}
+
+
+class TurboQuantConfig(QuantizationConfigMixin):
+    """Configuration of TurboQuant weight quantization (tq3_native layout).
+
+    Args:
+        bits: default bit width of quantized Linear weights: 2, 3, 4, or 1.58 (ternary).
+        group_size: weights per group along the input dimension: 64, 128 or 256.
+        modules_to_not_convert: module names or patterns kept in full precision
+            (default: `lm_head`; embeddings, norms and anything that is not a
+            Linear weight are never converted). A list given here replaces the default.
+        module_bits: `{pattern: bits}` overrides, matched with `re.search` against
+            the module name in the order given; the first match wins.
+        sensitive_bits, sensitive_patterns: the published checkpoints' form of an
+            override: modules whose name contains any of the patterns get
+            `sensitive_bits`. `module_bits` is consulted first.
+    """
+
+    def __init__(
+        self,
+        bits=3,
+        group_size: int = 128,
+        modules_to_not_convert: list[str] | None = None,
+        module_bits: dict[str, Any] | None = None,
+        sensitive_bits=None,
+        sensitive_patterns: list[str] | None = None,
+        format: str = fmt.FORMAT_NAME,
+        quantizer_seed: int = fmt.QUANTIZER_SEED,
+        quant_method: str = QUANT_METHOD,
+        **kwargs,
+    ):
+        unknown = sorted(set(kwargs) - _KNOWN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"TurboQuantConfig: unsupported setting(s) {', '.join(unknown)}; this version of turboquant_hf "
+                f"understands {', '.join(sorted(_KNOWN_KEYS))}"
+            )
+        if quant_method != QUANT_METHOD:
+            raise ValueError(f"TurboQuantConfig: quant_method must be {QUANT_METHOD!r}, got {quant_method!r}")
+        if format != fmt.FORMAT_NAME:
+            raise ValueError(
+                f"TurboQuantConfig: format {format!r} is not supported by this version (supported: {fmt.FORMAT_NAME!r})"
+            )
+        if quantizer_seed != fmt.QUANTIZER_SEED:
+            raise ValueError(
+                f"TurboQuantConfig: quantizer_seed {quantizer_seed!r} is not supported; the format fixes it at "
+                f"{fmt.QUANTIZER_SEED}"
+            )
+        self.quant_method = QUANT_METHOD
+        self.bits = fmt.check_bits(bits)
+        self.group_size = fmt.check_group_size(group_size)
+        self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
+        self.module_bits = {}
+        for pattern, value in (module_bits or {}).items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"TurboQuantConfig: module_bits pattern {pattern!r} is not a valid regex: {e}") from e
+            self.module_bits[pattern] = fmt.check_bits(value)
+        self.sensitive_bits = fmt.check_bits(sensitive_bits) if sensitive_bits is not None else None
+        self.sensitive_patterns = list(sensitive_patterns) if sensitive_patterns else None
+        if self.sensitive_patterns and self.sensitive_bits is None:
+            raise ValueError("TurboQuantConfig: sensitive_patterns needs sensitive_bits")
+        self.format = fmt.FORMAT_NAME
+        self.quantizer_seed = fmt.QUANTIZER_SEED
+
+    def bits_for(self, module_name: str):
+        """The bit width this config gives the Linear `module_name`."""
+        for pattern, value in self.module_bits.items():
+            if re.search(pattern, module_name):
+                return value
+        if self.sensitive_patterns and any(p in module_name for p in self.sensitive_patterns):
+            return self.sensitive_bits
+        return self.bits
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "quant_method": self.quant_method,
+            "format": self.format,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "quantizer_seed": self.quantizer_seed,
+            "modules_to_not_convert": self.modules_to_not_convert,
+        }
+        if self.module_bits:
+            out["module_bits"] = dict(self.module_bits)
+        if self.sensitive_patterns:
+            out["sensitive_bits"] = self.sensitive_bits
+            out["sensitive_patterns"] = list(self.sensitive_patterns)
+        return out
+
+    @classmethod
+    def from_tq_config(cls, tq_config: dict[str, Any]) -> "TurboQuantConfig":
+        """Build the config a published `tq_config.json` describes."""
+        return cls(
+            bits=tq_config.get("bits", 3),
+            group_size=tq_config.get("group_size", 128),
+            sensitive_bits=tq_config.get("sensitive_bits"),
+            sensitive_patterns=tq_config.get("sensitive_patterns"),
+            format=tq_config.get("format", fmt.FORMAT_NAME),
+            quantizer_seed=tq_config.get("quantizer_seed", fmt.QUANTIZER_SEED),
+            modules_to_not_convert=tq_config.get("modules_to_not_convert"),
+            module_bits=tq_config.get("module_bits"),
+        )
