@@ -274,5 +274,5 @@ def test_checkpoint_for_another_architecture(saved_dir, tmp_path):
     t["model.layers.0.mlp.extra_proj.weight.tq_packed"] = t["model.layers.0.mlp.up_proj.weight.tq_packed"].clone()
     t["model.layers.0.mlp.extra_proj.weight.tq_norms"] = t["model.layers.0.mlp.up_proj.weight.tq_norms"].clone()
     save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"extra_proj\.weight\.tq_packed: no matching Linear"):
+    with pytest.raises(CheckpointError, match=r"extra_proj\.weight\.tq_packed: no matching layer"):
         AutoModelForCausalLM.from_pretrained(d)

@@ -43,7 +43,7 @@ def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
             numel *= d
         if stop - start != numel * _DTYPE_BYTES.get(info["dtype"], 0):
             raise CheckpointError(f"{path}: tensor {name} has {stop - start} bytes for shape {info['shape']}")
-        out[name] = {"dtype": info["dtype"], "shape": tuple(info["shape"])}
+        out[name] = {"dtype": info["dtype"], "shape": tuple(info["shape"]), "file": path}
     return out
 
 

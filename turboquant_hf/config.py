@@ -11,14 +11,16 @@ from . import format as fmt
 
 QUANT_METHOD = "turboquant"
 
-# Modules kept in full precision unless the user gives their own list.
-DEFAULT_MODULES_TO_NOT_CONVERT = ["lm_head"]
+# Modules kept in full precision unless the user gives their own list: the output head, MoE routers and
+# shared-expert gates (tiny, and every token depends on them), and vision towers.
+DEFAULT_MODULES_TO_NOT_CONVERT = ["lm_head", "mlp.gate", "shared_expert_gate", "router", "visual", "vision_tower"]
 
 _KNOWN_KEYS = {
     "bits",
     "group_size",
     "modules_to_not_convert",
     "module_bits",
+    "expert_bits",
     "sensitive_bits",
     "sensitive_patterns",
     "format",
@@ -38,6 +40,8 @@ class TurboQuantConfig(QuantizationConfigMixin):
             Linear weight are never converted). A list given here replaces the default.
         module_bits: `{pattern: bits}` overrides, matched with `re.search` against
             the module name in the order given; the first match wins.
+        expert_bits: bit width of routed MoE experts (modules named `*.experts`);
+            default: `bits`.
         sensitive_bits, sensitive_patterns: the published checkpoints' form of an
             override: modules whose name contains any of the patterns get
             `sensitive_bits`. `module_bits` is consulted first.
@@ -49,6 +53,7 @@ class TurboQuantConfig(QuantizationConfigMixin):
         group_size: int = 128,
         modules_to_not_convert: list[str] | None = None,
         module_bits: dict[str, Any] | None = None,
+        expert_bits=None,
         sensitive_bits=None,
         sensitive_patterns: list[str] | None = None,
         format: str = fmt.FORMAT_NAME,
@@ -84,6 +89,7 @@ class TurboQuantConfig(QuantizationConfigMixin):
             except re.error as e:
                 raise ValueError(f"TurboQuantConfig: module_bits pattern {pattern!r} is not a valid regex: {e}") from e
             self.module_bits[pattern] = fmt.check_bits(value)
+        self.expert_bits = fmt.check_bits(expert_bits) if expert_bits is not None else None
         self.sensitive_bits = fmt.check_bits(sensitive_bits) if sensitive_bits is not None else None
         self.sensitive_patterns = list(sensitive_patterns) if sensitive_patterns else None
         if self.sensitive_patterns and self.sensitive_bits is None:
@@ -98,6 +104,8 @@ class TurboQuantConfig(QuantizationConfigMixin):
                 return value
         if self.sensitive_patterns and any(p in module_name for p in self.sensitive_patterns):
             return self.sensitive_bits
+        if self.expert_bits is not None and re.search(r"(^|\.)experts(\.|$)", module_name):
+            return self.expert_bits
         return self.bits
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +119,8 @@ class TurboQuantConfig(QuantizationConfigMixin):
         }
         if self.module_bits:
             out["module_bits"] = dict(self.module_bits)
+        if self.expert_bits is not None:
+            out["expert_bits"] = self.expert_bits
         if self.sensitive_patterns:
             out["sensitive_bits"] = self.sensitive_bits
             out["sensitive_patterns"] = list(self.sensitive_patterns)
@@ -128,4 +138,5 @@ class TurboQuantConfig(QuantizationConfigMixin):
             quantizer_seed=tq_config.get("quantizer_seed", fmt.QUANTIZER_SEED),
             modules_to_not_convert=tq_config.get("modules_to_not_convert"),
             module_bits=tq_config.get("module_bits"),
+            expert_bits=tq_config.get("expert_bits"),
         )

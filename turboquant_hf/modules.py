@@ -29,10 +29,19 @@ def format_constants(n_levels: int, group_size: int, device) -> tuple[torch.Tens
 
 
 class TurboQuantWeight(nn.Module):
-    """Packed indices `tq_packed` (uint8, `(rows*n_groups, bytes_per_group)`) and norms `tq_norms` (float32, `(rows, n_groups)`)."""
+    """Packed indices `tq_packed` (uint8, `(rows*n_groups, bytes_per_group)`) and norms `tq_norms` (float32, `(rows, n_groups)`).
 
-    def __init__(self, rows: int, in_features: int, bits, group_size: int, device=None):
+    `source_shape` is the shape of the full-precision tensor it replaces (`(out, in)` for a Linear,
+    `(E, out, in)` for fused experts); `rows = prod(source_shape[:-1])`.
+    """
+
+    def __init__(self, source_shape: tuple, bits, group_size: int, device=None):
         super().__init__()
+        self.source_shape = tuple(source_shape)
+        rows = 1
+        for d in self.source_shape[:-1]:
+            rows *= d
+        in_features = self.source_shape[-1]
         self.rows = rows
         self.in_features = in_features
         self.group_size = fmt.check_group_size(group_size)
@@ -41,6 +50,19 @@ class TurboQuantWeight(nn.Module):
         bpg = fmt.bytes_per_group(self.n_levels, group_size)
         self.register_buffer("tq_packed", torch.empty(rows * self.n_groups, bpg, dtype=torch.uint8, device=device))
         self.register_buffer("tq_norms", torch.empty(rows, self.n_groups, dtype=torch.float32, device=device))
+        # While a full-precision checkpoint loads, the state dict advertises the source tensor (its parent's
+        # name for it, e.g. `q_proj.weight`) in this dtype, so the loader hands it to the quantize op.
+        self.awaiting_dtype: torch.dtype | None = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.awaiting_dtype is not None:
+            destination[prefix[:-1]] = torch.empty(self.source_shape, dtype=self.awaiting_dtype, device="meta")
+
+    def load_packed_(self, packed: torch.Tensor, norms: torch.Tensor) -> None:
+        self.tq_packed = packed
+        self.tq_norms = norms
+        self.awaiting_dtype = None
 
     @property
     def bits(self):
@@ -87,11 +109,8 @@ class TurboQuantLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = TurboQuantWeight(out_features, in_features, bits, group_size, device=device)
+        self.weight = TurboQuantWeight((out_features, in_features), bits, group_size, device=device)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        # While loading a full-precision checkpoint, the state dict advertises a float `weight` of the original
-        # shape and dtype so the loader hands the tensor to the quantize op instead of dropping it.
-        self.awaiting_weight_dtype: torch.dtype | None = None
 
     @property
     def bits(self):
@@ -100,13 +119,6 @@ class TurboQuantLinear(nn.Module):
     @property
     def group_size(self) -> int:
         return self.weight.group_size
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.awaiting_weight_dtype is not None:
-            destination[prefix + "weight"] = torch.empty(
-                self.out_features, self.in_features, dtype=self.awaiting_weight_dtype, device="meta"
-            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -125,6 +137,84 @@ class TurboQuantLinear(nn.Module):
         )
 
 
+class TurboQuantExperts(nn.Module):
+    """Routed MoE experts with TurboQuant-packed fused weights.
+
+    Replaces a transformers experts module holding `gate_up_proj` `[E, 2I, H]` and `down_proj` `[E, H, I]`;
+    its children `gate_up_proj` and `down_proj` give the published names
+    (`...experts.gate_up_proj.tq_packed`, rows expert-major, each expert's gate rows before its up rows).
+    `forward(hidden_states, top_k_index, top_k_weights)` computes only the routed experts.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        gate_up_bits=3,
+        down_bits=3,
+        group_size: int = 128,
+        activation: str = "silu",
+        device=None,
+    ):
+        super().__init__()
+        if activation not in ops.ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported (supported: {', '.join(ops.ACTIVATIONS)})")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.gate_up_proj = TurboQuantWeight((num_experts, 2 * intermediate_size, hidden_size), gate_up_bits,
+                                             group_size, device=device)
+        self.down_proj = TurboQuantWeight((num_experts, hidden_size, intermediate_size), down_bits, group_size,
+                                          device=device)
+
+    @property
+    def group_size(self) -> int:
+        return self.gate_up_proj.group_size
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        gu, dn = self.gate_up_proj, self.down_proj
+        device = gu.tq_packed.device
+        cb_gu, s1, s2 = format_constants(gu.n_levels, gu.group_size, device)
+        cb_dn, _, _ = format_constants(dn.n_levels, dn.group_size, device)
+        return torch.ops.turboquant.moe_experts(
+            hidden_states, top_k_index, top_k_weights,
+            gu.tq_packed, gu.tq_norms, cb_gu, dn.tq_packed, dn.tq_norms, cb_dn,
+            s1, s2, gu.group_size, self.num_experts, self.activation,
+        )
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, activation={self.activation}")
+
+
+def fused_experts_geometry(module: nn.Module) -> tuple[int, int, int] | None:
+    """(E, H, I) of a transformers fused-experts module (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), else None."""
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3 or dn.dim() != 3:
+        return None
+    e, two_i, h = gu.shape
+    if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2) or getattr(module, "is_transposed", False):
+        return None
+    if any(isinstance(getattr(module, n, None), torch.Tensor) for n in ("gate_up_proj_bias", "down_proj_bias")):
+        return None
+    return e, h, two_i // 2
+
+
+def replace_experts_modules(model: nn.Module, plan: dict[str, tuple], awaiting_weights: bool) -> int:
+    """Swap each experts module named in `plan` ({name: (gate_up_bits, down_bits, group_size, activation)})."""
+    for name, (gu_bits, dn_bits, group_size, activation) in plan.items():
+        old = model.get_submodule(name)
+        e, h, i = fused_experts_geometry(old)
+        new = TurboQuantExperts(e, h, i, gu_bits, dn_bits, group_size, activation, device=old.gate_up_proj.device)
+        if awaiting_weights:
+            new.gate_up_proj.awaiting_dtype = old.gate_up_proj.dtype
+            new.down_proj.awaiting_dtype = old.down_proj.dtype
+        model.set_submodule(name, new)
+    return len(plan)
+
+
 def replace_linear_modules(model: nn.Module, plan: dict[str, tuple], awaiting_weights: bool) -> int:
     """Swap every `nn.Linear` named in `plan` ({name: (bits, group_size)}) for a TurboQuantLinear on its device."""
     count = 0
@@ -140,7 +230,7 @@ def replace_linear_modules(model: nn.Module, plan: dict[str, tuple], awaiting_we
             device=linear.weight.device,
         )
         if awaiting_weights:
-            new.awaiting_weight_dtype = linear.weight.dtype
+            new.weight.awaiting_dtype = linear.weight.dtype
         model.set_submodule(name, new)
         count += 1
     return count
@@ -148,7 +238,4 @@ def replace_linear_modules(model: nn.Module, plan: dict[str, tuple], awaiting_we
 
 def quantize_linear_(module: TurboQuantLinear, weight: torch.Tensor, name: str = "weight") -> None:
     """Fill `module` from a full-precision weight (used outside from_pretrained, e.g. by tests and tools)."""
-    packed, norms = codec.quantize_weight(weight, module.bits, module.group_size, name=name)
-    module.weight.tq_packed = packed
-    module.weight.tq_norms = norms
-    module.awaiting_weight_dtype = None
+    module.weight.load_packed_(*codec.quantize_weight(weight, module.bits, module.group_size, name=name))

@@ -10,12 +10,23 @@ import types
 import torch
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
+from transformers.utils import logging
 
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
 from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
-from .modules import TurboQuantLinear, TurboQuantWeight, replace_linear_modules
+from .modules import (
+    TurboQuantExperts,
+    TurboQuantLinear,
+    TurboQuantWeight,
+    fused_experts_geometry,
+    replace_experts_modules,
+    replace_linear_modules,
+)
+from .ops import ACTIVATIONS
+
+logger = logging.get_logger(__name__)
 
 try:  # transformers >= 5
     from transformers.core_model_loading import ConversionOps
@@ -43,16 +54,21 @@ class TurboQuantize(ConversionOps):
         out = {}
         for key, value in input_dict.items():
             value = value[0] if isinstance(value, list) else value
-            module = model.get_submodule(key.rpartition(".")[0])
+            target = model.get_submodule(key)  # the TurboQuantWeight that replaces this tensor
             if missing_keys is not None:
                 missing_keys.discard(key)
+            if tuple(value.shape) != target.source_shape:
+                self.hf_quantizer.conversion_failures[key] = (
+                    f"{key}: checkpoint tensor has shape {tuple(value.shape)}, the model expects {target.source_shape}"
+                )
+                continue
             try:
-                packed, norms = codec.quantize_weight(value, module.bits, module.group_size, name=key)
+                packed, norms = codec.quantize_weight(value, target.bits, target.group_size, name=key)
             except ValueError as e:
                 # transformers swallows exceptions raised here into a generic report; keep ours for after loading.
                 self.hf_quantizer.conversion_failures[key] = str(e)
                 continue
-            module.awaiting_weight_dtype = None
+            target.awaiting_dtype = None
             out[key + fmt.PACKED_SUFFIX] = packed
             out[key + fmt.NORMS_SUFFIX] = norms
         return out
@@ -68,6 +84,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.checkpoint_index: dict = {}
         self.conversion_failures: dict[str, str] = {}
+        self.dequantize_into: dict[str, str] = {}
 
     # -- environment ---------------------------------------------------------------------------------------------
     def validate_environment(self, *args, **kwargs):
@@ -96,11 +113,12 @@ class TurboQuantHfQuantizer(HfQuantizer):
                 "*.tq_packed tensors"
             )
         if self.pre_quantized:
-            plan = self._plan_from_checkpoint(model, packed_keys)
+            linear_plan, experts_plan = self._plan_from_checkpoint(model, packed_keys)
         else:
-            plan = self._plan_from_config(model)
+            linear_plan, experts_plan = self._plan_from_config(model)
         self.modules_to_not_convert = None
-        replace_linear_modules(model, plan, awaiting_weights=not self.pre_quantized)
+        replace_linear_modules(model, linear_plan, awaiting_weights=not self.pre_quantized)
+        replace_experts_modules(model, experts_plan, awaiting_weights=not self.pre_quantized)
         model._turboquant_original_model = getattr(model.config, "_name_or_path", None)
 
     def _skip_patterns(self, model) -> list[str]:
@@ -112,64 +130,111 @@ class TurboQuantHfQuantizer(HfQuantizer):
             add_default_skips=skip is None,
         )
 
-    def _plan_from_config(self, model) -> dict[str, tuple]:
+    @staticmethod
+    def _activation(model) -> str:
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+
+    def _plan_from_config(self, model):
         cfg = self.quantization_config
         skip = self._skip_patterns(model)
-        plan = {}
+        activation = self._activation(model)
+        linear_plan, experts_plan = {}, {}
         for name, module in model.named_modules():
-            if type(module) is nn.Linear and not _matches(name, skip):
-                plan[name] = (cfg.bits_for(name), cfg.group_size)
-        return plan
+            if _matches(name, skip):
+                continue
+            if type(module) is nn.Linear:
+                linear_plan[name] = (cfg.bits_for(name), cfg.group_size)
+            elif name.rpartition(".")[2] == "experts" and not isinstance(module, nn.ModuleList):
+                if fused_experts_geometry(module) is None or activation not in ACTIVATIONS:
+                    logger.warning(
+                        "TurboQuant: %s (%s) is not in the fused-experts layout this version quantizes "
+                        "(gate_up_proj [E, 2I, H], down_proj [E, H, I], activation one of %s; found %s); "
+                        "it stays in full precision",
+                        name, type(module).__name__, ", ".join(ACTIVATIONS), activation,
+                    )
+                    continue
+                experts_plan[name] = (
+                    cfg.bits_for(name + ".gate_up_proj"), cfg.bits_for(name + ".down_proj"), cfg.group_size, activation
+                )
+        return linear_plan, experts_plan
 
-    def _checkpoint_to_model_key(self, model, key: str, meta_keys) -> str | None:
+    def _plan_from_checkpoint(self, model, packed_keys):
+        """Which modules the checkpoint holds packed, with bit widths from each tensor's geometry."""
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
 
-        if key in meta_keys:
-            return key
-        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-        renamed, _ = rename_source_key(key, renamings, [], model.base_model_prefix, meta_keys)
-        return renamed if renamed in meta_keys else None
-
-    def _plan_from_checkpoint(self, model, packed_keys) -> dict[str, tuple]:
         group_size = self.quantization_config.group_size
-        meta_keys = model.state_dict()
-        plan = {}
+        meta = model.state_dict()
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+        ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+        activation = self._activation(model)
+        linear_plan, experts_plan, experts_keys = {}, {}, {}
+        self.dequantize_into = {}
         for key in packed_keys:
-            model_key = self._checkpoint_to_model_key(model, key, meta_keys)
-            if model_key is None or not model_key.endswith(".weight"):
+            model_key = key if key in meta else rename_source_key(key, renamings, [], model.base_model_prefix, meta)[0]
+            if model_key not in meta:
+                if any(p.search(key) or p.search(model_key) for p in ignore):
+                    # a part of the checkpoint this class does not load (e.g. the vision tower of a text-only class)
+                    model._keys_to_ignore_on_load_unexpected.update(
+                        {re.escape(key + fmt.PACKED_SUFFIX), re.escape(key + fmt.NORMS_SUFFIX)}
+                    )
+                    continue
                 raise ckpt.CheckpointError(
-                    f"{key}{fmt.PACKED_SUFFIX}: no matching Linear layer in {type(model).__name__}; "
-                    "the checkpoint does not belong to this architecture or names a layer type this version "
-                    "cannot load quantized"
+                    f"{key}{fmt.PACKED_SUFFIX}: no matching layer in {type(model).__name__}; the checkpoint does "
+                    "not belong to this architecture or names a layer type this version cannot load quantized"
                 )
-            name = model_key[: -len(".weight")]
-            module = model.get_submodule(name)
-            if type(module) is not nn.Linear:
+            owner_name, _, attr = model_key.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            source_shape = tuple(meta[model_key].shape)
+            rows = 1
+            for d in source_shape[:-1]:
+                rows *= d
+            n_levels = ckpt.check_packed_tensor(self.checkpoint_index, key, rows, source_shape[-1], group_size)
+            bits = fmt.bits_for_levels(n_levels)
+            if type(owner) is nn.Linear and attr == "weight":
+                linear_plan[owner_name] = (bits, group_size)
+            elif attr in ("gate_up_proj", "down_proj") and fused_experts_geometry(owner) is not None:
+                experts_keys.setdefault(owner_name, {})[attr] = (key, bits)
+            elif len(source_shape) == 2:
+                # packed by a writer that quantizes more than this version keeps packed (routers, ...):
+                # dequantized into the full-precision parameter after loading
+                self.dequantize_into[model_key] = key
+                model._keys_to_ignore_on_load_unexpected.update(
+                    {re.escape(key + fmt.PACKED_SUFFIX), re.escape(key + fmt.NORMS_SUFFIX)}
+                )
+                model._keys_to_ignore_on_load_missing.add(re.escape(model_key))
+            else:
                 raise ckpt.CheckpointError(
-                    f"{key}{fmt.PACKED_SUFFIX}: {name} is a {type(module).__name__}, not a Linear layer; this version "
-                    "loads quantized Linear weights only"
+                    f"{key}{fmt.PACKED_SUFFIX}: {owner_name} is a {type(owner).__name__}; this version cannot load "
+                    f"a packed {attr} of shape {source_shape} into it"
                 )
-            n_levels = ckpt.check_packed_tensor(
-                self.checkpoint_index, key, module.out_features, module.in_features, group_size
-            )
-            plan[name] = (fmt.bits_for_levels(n_levels), group_size)
-        return plan
+        for name, parts in experts_keys.items():
+            for attr in ("gate_up_proj", "down_proj"):
+                if attr not in parts:
+                    other = next(iter(parts.values()))[0]
+                    raise ckpt.CheckpointError(
+                        f"checkpoint is missing {other.rpartition('.')[0]}.{attr}{fmt.PACKED_SUFFIX} "
+                        f"(needed for the quantized experts {name})"
+                    )
+            if activation not in ACTIVATIONS:
+                raise ckpt.CheckpointError(f"{name}: activation {activation!r} is not supported by TurboQuantExperts")
+            experts_plan[name] = (parts["gate_up_proj"][1], parts["down_proj"][1], group_size, activation)
+        return linear_plan, experts_plan
 
     # -- during loading ------------------------------------------------------------------------------------------
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-        if self.pre_quantized or not param_name.endswith(".weight"):
+        if self.pre_quantized:
             return False
         try:
-            module = model.get_submodule(param_name[: -len(".weight")])
+            target = model.get_submodule(param_name)
         except AttributeError:
             return False
-        return isinstance(module, TurboQuantLinear)
+        return isinstance(target, TurboQuantWeight)
 
     def param_element_size(self, model, param_name: str, param) -> float:
         if self.param_needs_quantization(model, param_name):
-            module = model.get_submodule(param_name[: -len(".weight")])
-            w = module.weight
+            w = model.get_submodule(param_name)
             return (fmt.bytes_per_group(w.n_levels, w.group_size) + 4) / w.group_size
         return super().param_element_size(model, param_name, param)
 
@@ -181,8 +246,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
         if self.conversion_failures:
             raise ValueError("TurboQuant could not quantize: " + "; ".join(self.conversion_failures.values()))
         for name, module in model.named_modules():
-            if isinstance(module, TurboQuantLinear) and module.awaiting_weight_dtype is not None:
-                raise ckpt.CheckpointError(f"checkpoint is missing {name}.weight (needed to quantize {name})")
+            if isinstance(module, TurboQuantWeight) and module.awaiting_dtype is not None:
+                raise ckpt.CheckpointError(f"checkpoint is missing {name} (needed to quantize it)")
             if isinstance(module, TurboQuantWeight):
                 for attr, shape in module.expected_shapes().items():
                     t = getattr(module, attr)
@@ -190,10 +255,29 @@ class TurboQuantHfQuantizer(HfQuantizer):
                         raise ckpt.CheckpointError(
                             f"{name}.{attr}: expected shape {shape}, got {tuple(t.shape)} on {t.device}"
                         )
+        self._dequantize_into_parameters(model)
+        _drop_expert_converters_for_saving(model)
         for p in model.parameters():
             p.requires_grad_(False)
         _install_save_hook(model)
         return model
+
+    def _dequantize_into_parameters(self, model) -> None:
+        from safetensors import safe_open
+
+        for param_name, key in self.dequantize_into.items():
+            owner_name, _, attr = param_name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            param = getattr(owner, attr)
+            tensors = {}
+            for suffix in (fmt.PACKED_SUFFIX, fmt.NORMS_SUFFIX):
+                with safe_open(self.checkpoint_index[key + suffix]["file"], "pt") as f:
+                    tensors[suffix] = f.get_tensor(key + suffix)
+            w = codec.dequantize_weight(
+                tensors[fmt.PACKED_SUFFIX], tensors[fmt.NORMS_SUFFIX], param.shape[-1],
+                self.quantization_config.group_size, dtype=param.dtype,
+            )
+            setattr(owner, attr, nn.Parameter(w.view(param.shape).to(param.device), requires_grad=False))
 
     # -- saving --------------------------------------------------------------------------------------------------
     def is_serializable(self, *args, **kwargs):
@@ -206,6 +290,23 @@ class TurboQuantHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _drop_expert_converters_for_saving(model) -> None:
+    """Packed experts are saved pre-fused, whatever the source layout: transformers must not split them back
+    into per-expert tensors on save (its reverse converters would also match `...gate_up_proj.tq_packed`)."""
+    from transformers.core_model_loading import WeightConverter
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if not conversions:
+        return
+    packed_owners = [n for n, m in model.named_modules() if isinstance(m, TurboQuantExperts)]
+    if not packed_owners:
+        return
+    model._weight_conversions = [
+        c for c in conversions
+        if not (isinstance(c, WeightConverter) and any("experts" in str(t) for t in c.target_patterns))
+    ]
 
 
 def describe_quantized_model(model) -> dict:

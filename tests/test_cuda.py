@@ -1,0 +1,45 @@
+"""On a CUDA device: quantize while loading onto the GPU, run there, save and reload (skipped without CUDA)."""
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_quantize_on_gpu_matches_cpu(tiny_llama_dir, tmp_path):
+    cfg = TurboQuantConfig(bits=3, group_size=64)
+    gpu = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg, device_map="cuda",
+                                               dtype=torch.bfloat16)
+    layers = {n: m for n, m in gpu.named_modules() if isinstance(m, TurboQuantLinear)}
+    assert layers and all(m.weight.tq_packed.is_cuda for m in layers.values())
+    with safe_open(os.path.join(tiny_llama_dir, "model.safetensors"), "pt") as f:
+        mismatch = total = 0
+        for name, m in layers.items():
+            packed, norms = codec.quantize_weight(f.get_tensor(name + ".weight"), 3, 64)
+            a = codec.unpack_indices(m.weight.tq_packed.cpu(), 8, 64)
+            b = codec.unpack_indices(packed, 8, 64)
+            mismatch += (a != b).sum().item()
+            total += a.numel()
+            same = (a == b).all(dim=1).view_as(norms)
+            assert torch.allclose(m.weight.tq_norms.cpu()[same], norms[same], rtol=1e-6)
+    assert mismatch / total <= 1e-5  # only boundary ties may round differently on the GPU
+
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    cpu = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg, dtype=torch.float32)
+    with torch.no_grad():
+        a = gpu(ids.cuda()).logits.float().cpu()
+        b = cpu(ids).logits
+    assert ((a - b).norm() / b.norm()).item() < 2e-2  # bf16 activations on the GPU vs float32 on the CPU
+
+    gpu.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
+    with torch.no_grad():
+        assert torch.equal(again(ids.cuda()).logits, gpu(ids.cuda()).logits)
+    out = again.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False)
+    assert out.shape == (1, 32)
