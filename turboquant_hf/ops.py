@@ -74,4 +74,91 @@ def _(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
     return x.new_empty(*x.shape[:-1], norms.shape[0])
 
 
+
+ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_pytorch_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    "relu": torch.relu,
+}
+
+
+def expert_groups(top_k_index: torch.Tensor, num_experts: int):
+    """Routed (token, slot) pairs grouped by expert: (sorted token ids, sorted slot ids, per-expert counts).
+
+    Indices outside [0, num_experts) (some routers use num_experts as "no expert") are dropped.
+    """
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
+    n_valid = int(counts.sum())
+    first = int(((flat[order] < 0)).sum())  # negative sentinels sort first
+    order = order[first : first + n_valid]
+    return order // k, order % k, counts
+
+
+@torch.library.custom_op("turboquant::moe_experts", mutates_args=())
+def turboquant_moe_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_packed: torch.Tensor,
+    gate_up_norms: torch.Tensor,
+    gate_up_codebook: torch.Tensor,
+    down_packed: torch.Tensor,
+    down_norms: torch.Tensor,
+    down_codebook: torch.Tensor,
+    signs1: torch.Tensor,
+    signs2: torch.Tensor,
+    group_size: int,
+    num_experts: int,
+    activation: str,
+) -> torch.Tensor:
+    """Routed experts: for each token, sum over its top-k experts of weight * down(act(gate) * up).
+
+    `gate_up` holds `num_experts * 2I` rows (each expert's gate rows, then its up rows) over the hidden
+    size; `down` holds `num_experts * H` rows over I. Only the experts some token was routed to are read.
+    """
+    t, h = hidden.shape
+    gu_rows = gate_up_norms.shape[0] // num_experts
+    inter = gu_rows // 2
+    ng_h = gate_up_norms.shape[1]
+    ng_i = down_norms.shape[1]
+    act = ACTIVATIONS[activation]
+    s1, s2 = signs1.float(), signs2.float()
+    x_rot = rotate_activations(hidden, s1, s2, group_size)  # once per token, shared by all its experts
+    tokens, slots, counts = expert_groups(top_k_index, num_experts)
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        tok, slot = tokens[start : start + n], slots[start : start + n]
+        start += n
+        gu = codebook_matmul(
+            x_rot[tok],
+            gate_up_packed[e * gu_rows * ng_h : (e + 1) * gu_rows * ng_h],
+            gate_up_norms[e * gu_rows : (e + 1) * gu_rows],
+            gate_up_codebook.float(),
+            group_size,
+        )
+        mid = act(gu[:, :inter]) * gu[:, inter:]
+        y = codebook_matmul(
+            rotate_activations(mid, s1, s2, group_size),
+            down_packed[e * h * ng_i : (e + 1) * h * ng_i],
+            down_norms[e * h : (e + 1) * h],
+            down_codebook.float(),
+            group_size,
+        )
+        out.index_add_(0, tok, y * top_k_weights[tok, slot, None].float())
+    return out.to(hidden.dtype)
+
+
+@turboquant_moe_experts.register_fake
+def _(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed, down_norms,
+      down_codebook, signs1, signs2, group_size, num_experts, activation):
+    return torch.empty_like(hidden)
+
+
 from . import kernels as _kernels  # noqa: E402,F401  (registers the Triton CUDA kernels for this op)

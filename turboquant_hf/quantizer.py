@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import types
+import warnings
 
 import torch
+from huggingface_hub import ModelCard
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils import logging
@@ -333,6 +336,8 @@ def describe_quantized_model(model) -> dict:
         out["sensitive_patterns"] = list(cfg.sensitive_patterns)
     if cfg.module_bits:
         out["module_bits"] = dict(cfg.module_bits)
+    if cfg.expert_bits is not None:
+        out["expert_bits"] = cfg.expert_bits
     if cfg.modules_to_not_convert is not None:
         out["modules_to_not_convert"] = list(cfg.modules_to_not_convert)
     if orig_in_dims:
@@ -340,15 +345,72 @@ def describe_quantized_model(model) -> dict:
     return out
 
 
-def _save_pretrained_with_tq_config(self, save_directory, *args, **kwargs):
+def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: bool = True, base_model=None, **kwargs):
+    """transformers' save_pretrained, then tq_config.json and (unless `model_card=False`) the model card README.md.
+
+    `base_model`: the Hub id of the model this was quantized from, for the card (default: tq_config's
+    original_model when it is a Hub id). With `push_to_hub=True` the upload happens after the card is written,
+    and `model.push_to_hub(...)` keeps this card instead of transformers' generic one.
+    """
+    push = kwargs.pop("push_to_hub", False)
+    hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     is_main = kwargs.get("is_main_process", True)
-    if is_main and not os.path.isfile(save_directory):
-        path = os.path.join(save_directory, fmt.TQ_CONFIG_NAME)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(describe_quantized_model(self), f, indent=2)
-        os.replace(tmp, path)
+    if not is_main or os.path.isfile(save_directory):
+        return result
+    path = os.path.join(save_directory, fmt.TQ_CONFIG_NAME)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(describe_quantized_model(self), f, indent=2)
+    os.replace(tmp, path)
+    if not model_card and not push:
+        return result
+
+    from . import card as tq_card
+
+    # transformers' push_to_hub saves into a temporary folder, then overwrites README.md with the card it loaded
+    # or made before saving: give that ModelCard object our text (plus the tags push_to_hub was asked to add).
+    pushing = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "push_to_hub" and isinstance(frame.f_locals.get("model_card"), ModelCard) \
+                and os.path.abspath(str(frame.f_locals.get("tmp_dir"))) == os.path.abspath(str(save_directory)):
+            pushing = frame.f_locals
+            break
+        frame = frame.f_back
+    repo_id = (pushing or {}).get("repo_id") or hub_kwargs.get("repo_id")
+    if push and not repo_id:
+        repo_id = os.path.basename(os.path.normpath(str(save_directory)))
+    try:
+        build_path = os.path.join(save_directory, tq_card.BUILD_NAME)
+        with open(build_path + ".tmp", "w") as f:
+            json.dump(tq_card.build_record(base_model=base_model,
+                                           source=getattr(self, "_turboquant_original_model", None)), f, indent=2)
+        os.replace(build_path + ".tmp", build_path)
+        if push:
+            from huggingface_hub import HfApi
+
+            api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+            repo_id = api.create_repo(repo_id, private=hub_kwargs.get("private"), token=kwargs.get("token"),
+                                      exist_ok=True).repo_id
+        text = tq_card.render_card(str(save_directory), repo_id=repo_id, base_model=base_model) if model_card else None
+    except Exception as e:  # the weights are saved; a card that cannot be rendered must not lose them
+        warnings.warn(f"TurboQuant: saved the model but could not write its model card: {e}")
+        return result
+    if text is not None:
+        with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as f:
+            f.write(text)
+    if pushing is not None and text is not None:
+        generic = pushing["model_card"]
+        ours = ModelCard(text)
+        extra = [t for t in (pushing.get("tags") or []) if t not in (ours.data.tags or [])]
+        if extra:
+            ours.data.tags = list(ours.data.tags or []) + extra
+        generic.content = ours.content
+    if push:
+        api.upload_folder(folder_path=str(save_directory), repo_id=repo_id, token=kwargs.get("token"),
+                          commit_message=hub_kwargs.get("commit_message") or "Upload TurboQuant model",
+                          create_pr=hub_kwargs.get("create_pr", False))
     return result
 
 

@@ -1,0 +1,287 @@
+"""MoE experts: TurboQuantExperts on tiny Qwen3.5-MoE, Qwen3-MoE and Mixtral, fused and per-expert sources."""
+
+import copy
+import json
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
+from turboquant_hf import format as fmt
+from turboquant_hf.checkpoint import CheckpointError
+from turboquant_hf.modules import TurboQuantExperts
+from turboquant_hf.recipes import get_recipe
+
+E, TOP_K, H, I = 8, 2, 128, 64
+
+
+def qwen3_5_moe():
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = dict(vocab_size=256, hidden_size=H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, moe_intermediate_size=I, shared_expert_intermediate_size=96, num_experts=E,
+                num_experts_per_tok=TOP_K, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                linear_value_head_dim=48,  # in_proj_qkv / conv widths of 320: not a multiple of G
+                linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256)
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=H, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision))
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=256, hidden_size=H, intermediate_size=192, moe_intermediate_size=I, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=E, num_experts_per_tok=TOP_K,
+        max_position_embeddings=256))
+
+
+def mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=256, hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=TOP_K, max_position_embeddings=256))
+
+
+BUILDERS = {"qwen3_5_moe": qwen3_5_moe, "qwen3_moe": qwen3_moe, "mixtral": mixtral}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{(kind, layout): dir}: each tiny model saved per-expert (transformers' default) and pre-fused."""
+    out = {}
+    for kind, build in BUILDERS.items():
+        torch.manual_seed(0)
+        model = build()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2 and "conv1d" not in name:
+                    p.normal_(0, 0.05)
+        model = model.to(torch.bfloat16)
+        for layout, original in (("per_expert", True), ("fused", False)):
+            d = str(tmp_path_factory.mktemp(f"{kind}_{layout}"))
+            model.save_pretrained(d, save_original_format=original)
+            out[kind, layout] = d
+    return out
+
+
+def saved_name(kind: str, module_name: str, source_keys) -> str:
+    """Module name -> saved checkpoint name: transformers reverses the renames the source needed."""
+    if kind == "qwen3_5_moe":
+        return module_name.replace("model.", "model.language_model.", 1)
+    if kind == "mixtral" and any("block_sparse_moe" in k for k in source_keys):
+        return module_name.replace(".mlp.experts", ".block_sparse_moe.experts")
+    return module_name
+
+CASES = [(k, layout) for k in BUILDERS for layout in ("per_expert", "fused")]
+
+
+def _ids():
+    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _fused_source(model, name):
+    """The full-precision fused [E, 2I, H] / [E, H, I] tensors of an experts module of a plain model."""
+    m = model.get_submodule(name)
+    return m.gate_up_proj.detach(), m.down_proj.detach()
+
+
+@pytest.mark.parametrize("kind, layout", CASES)
+def test_experts_quantized_on_the_fly(checkpoints, kind, layout, tmp_path):
+    src = checkpoints[kind, layout]
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    q = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                             quantization_config=TurboQuantConfig(bits=3, group_size=64))
+    experts = {n: m for n, m in q.named_modules() if n.endswith(".experts")}
+    assert experts and all(isinstance(m, TurboQuantExperts) for m in experts.values())
+    for name, m in experts.items():
+        gu, dn = _fused_source(base, name)
+        for packed_w, source in ((m.gate_up_proj, gu), (m.down_proj, dn)):
+            packed, norms = codec.quantize_weight(source, 3, 64)
+            assert torch.equal(packed_w.tq_packed, packed) and torch.equal(packed_w.tq_norms, norms), name
+    # routers and shared-expert gates stay untouched
+    for name, p in base.named_parameters():
+        if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "block_sparse_moe.gate.weight")):
+            assert torch.equal(q.get_parameter(name), p), name
+
+    # Output close to the unquantized model, judged like weight noise of the 3-bit Lloyd-Max size (see
+    # test_quantizer.test_logits_close_to_unquantized for why a fixed bound says little on random models).
+    ids = _ids()
+    with torch.no_grad():
+        ref = base(ids).logits
+        rel_q = ((q(ids).logits - ref).norm() / ref.norm()).item()
+        noisy = copy.deepcopy(base)
+        g = torch.Generator().manual_seed(7)
+        for name, m in q.named_modules():
+            if isinstance(m, (TurboQuantLinear, TurboQuantExperts)):
+                params = [noisy.get_submodule(name).weight] if isinstance(m, TurboQuantLinear) else \
+                    [noisy.get_submodule(name).gate_up_proj, noisy.get_submodule(name).down_proj]
+                for w in params:
+                    w += 0.1859 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, generator=g)
+        rel_noise = ((noisy(ids).logits - ref).norm() / ref.norm()).item()
+    assert 0.4 * rel_noise < rel_q < 1.3 * rel_noise, (rel_q, rel_noise)
+
+    # saved with the published pre-fused names, whatever the source layout
+    q.save_pretrained(tmp_path)
+    saved = load_file(os.path.join(tmp_path, "model.safetensors"))
+    source_keys = load_file(os.path.join(src, "model.safetensors")).keys()
+    for name, m in experts.items():
+        key = saved_name(kind, name, source_keys)
+        assert saved[key + ".gate_up_proj.tq_packed"].shape == (E * 2 * I * (H // 64), 24)
+        assert saved[key + ".gate_up_proj.tq_norms"].shape == (E * 2 * I, H // 64)
+        assert saved[key + ".down_proj.tq_packed"].shape == (E * H * (I // 64), 24)
+        assert saved[key + ".down_proj.tq_norms"].shape == (E * H, I // 64)
+    assert not [k for k in saved if ".experts." in k and not k.endswith((".tq_packed", ".tq_norms"))]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, q(ids).logits)
+
+
+def test_qwen3_5_both_classes_share_one_checkpoint(checkpoints, tmp_path):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
+
+    # the text-only class is what AutoModelForCausalLM picks for the multimodal checkpoint
+
+    src = checkpoints["qwen3_5_moe", "fused"]
+    cfg = get_recipe("tq3a-tqTe", group_size=64)
+    full = Qwen3_5MoeForConditionalGeneration.from_pretrained(src, dtype=torch.float32, quantization_config=cfg)
+    text = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, quantization_config=cfg)
+    assert type(text) is Qwen3_5MoeForCausalLM
+    assert not any(isinstance(m, TurboQuantLinear) for n, m in full.named_modules() if "visual" in n)
+    full.save_pretrained(tmp_path / "full")
+    text.save_pretrained(tmp_path / "text")
+    a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "text" / "model.safetensors")
+    for k, v in b.items():  # the text model's tensors are the multimodal checkpoint's language_model tensors
+        assert k.startswith(("model.language_model.", "lm_head.")) and torch.equal(a[k], v), k
+    gu = a["model.language_model.layers.0.mlp.experts.gate_up_proj.tq_packed"]
+    assert gu.shape[1] == fmt.bytes_per_group(3, 64) == 13  # ternary routed experts
+    assert a["model.language_model.layers.0.mlp.shared_expert.up_proj.weight.tq_packed"].shape[1] == 24
+    # GatedDeltaNet widths that are not multiples of G are padded and recorded, never left in bf16
+    qkv = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert qkv + ".tq_packed" in a and qkv not in a
+    tq = json.load(open(tmp_path / "full" / "tq_config.json"))
+    assert tq["expert_bits"] == 1.58 and json.load(open(tmp_path / "full" / "config.json"))[
+        "quantization_config"]["expert_bits"] == 1.58
+    ids = _ids()
+    # both classes load the multimodal checkpoint; the text class also loads its own save
+    for cls, d in ((Qwen3_5MoeForConditionalGeneration, "full"), (AutoModelForCausalLM, "full"),
+                   (AutoModelForCausalLM, "text")):
+        again = cls.from_pretrained(tmp_path / d)
+        with torch.no_grad():
+            assert torch.equal(again(input_ids=ids).logits, text(input_ids=ids).logits), (cls.__name__, d)
+
+
+def test_inactive_experts_are_never_read(checkpoints):
+    """Poison every expert the router did not pick (NaN norms, random bytes): the output must not change."""
+    q = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_5_moe", "fused"], dtype=torch.float32,
+                                             quantization_config=TurboQuantConfig(bits=3, group_size=64))
+    ids = torch.tensor([[5, 17, 42]])
+    chosen = {}
+
+    def record(name):
+        def hook(module, args, output):
+            chosen[name] = set(output[2].flatten().tolist())
+        return hook
+
+    handles = [m.gate.register_forward_hook(record(n)) for n, m in q.named_modules() if n.endswith(".mlp")]
+    with torch.no_grad():
+        before = q(ids).logits
+    for h in handles:
+        h.remove()
+    poisoned = 0
+    for name, m in q.named_modules():
+        if isinstance(m, TurboQuantExperts):
+            idle = [e for e in range(E) if e not in chosen[name.rpartition(".")[0]]]
+            assert idle
+            for w in (m.gate_up_proj, m.down_proj):
+                rows = w.rows // E
+                for e in idle:
+                    w.tq_norms[e * rows : (e + 1) * rows] = float("nan")
+                    seg = w.tq_packed[e * rows * w.n_groups : (e + 1) * rows * w.n_groups]
+                    seg.copy_(torch.randint(0, 256, seg.shape, dtype=torch.uint8))
+                    poisoned += 1
+    with torch.no_grad():
+        after = q(ids).logits
+    assert poisoned > 0 and torch.equal(before, after)
+
+
+def test_expert_op_matches_dense_reference():
+    """The grouped-by-expert op equals a per-token loop over dense dequantized experts."""
+    torch.manual_seed(0)
+    gu_src, dn_src = torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05
+    m = TurboQuantExperts(E, H, I, 3, 4, 64)
+    m.gate_up_proj.load_packed_(*codec.quantize_weight(gu_src, 3, 64))
+    m.down_proj.load_packed_(*codec.quantize_weight(dn_src, 4, 64))
+    gu = m.gate_up_proj.dequantize().view(E, 2 * I, H)
+    dn = m.down_proj.dequantize().view(E, H, I)
+    x = torch.randn(7, H)
+    idx = torch.stack([torch.randperm(E)[:TOP_K] for _ in range(7)])
+    wts = torch.softmax(torch.randn(7, TOP_K), -1)
+    ref = torch.zeros(7, H)
+    for t in range(7):
+        for k in range(TOP_K):
+            e = idx[t, k]
+            g, u = (gu[e] @ x[t]).chunk(2)
+            ref[t] += wts[t, k] * (dn[e] @ (torch.nn.functional.silu(g) * u))
+    assert torch.allclose(m(x, idx, wts), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_ternary_error_and_packing():
+    torch.manual_seed(3)
+    for g in fmt.GROUP_SIZES:
+        trits = torch.randint(0, 3, (50, g))
+        assert torch.equal(codec.unpack_indices(codec.pack_indices(trits, 3), 3, g), trits)
+    w = torch.randn(256, 1024)
+    packed, norms = codec.quantize_weight(w, fmt.TERNARY, 128)
+    deq = codec.dequantize_weight(packed, norms, 1024, 128)
+    rel = ((deq - w).view(-1, 128).norm(dim=1) / w.view(-1, 128).norm(dim=1)).pow(2).mean().sqrt().item()
+    assert abs(rel - 0.4361) / 0.4361 <= 0.03
+
+
+def test_expert_count_mismatch_named(checkpoints, tmp_path):
+    import shutil
+
+    d = tmp_path / "bad"
+    shutil.copytree(checkpoints["qwen3_moe", "fused"], d)
+    config = json.load(open(d / "config.json"))
+    config["moe_intermediate_size"] = I * 2  # only the experts disagree with the checkpoint
+    json.dump(config, open(d / "config.json", "w"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj.*shape"):
+        AutoModelForCausalLM.from_pretrained(d, quantization_config=TurboQuantConfig(group_size=64))
+    # and a pre-quantized checkpoint whose packed experts disagree with the config
+    q = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe", "fused"],
+                                             quantization_config=TurboQuantConfig(group_size=64))
+    q.save_pretrained(tmp_path / "q")
+    config = json.load(open(tmp_path / "q" / "config.json"))
+    config["num_local_experts"] = E * 2
+    json.dump(config, open(tmp_path / "q" / "config.json", "w"))
+    with pytest.raises(CheckpointError, match=r"experts\.(gate_up|down)_proj\.tq_(norms|packed)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+
+
+def test_unknown_experts_layout_is_named(caplog):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    model = GptOssForCausalLM(GptOssConfig(vocab_size=256, hidden_size=128, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=32, num_local_experts=4, num_experts_per_tok=2))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        with caplog.at_level(logging.WARNING):
+            q = AutoModelForCausalLM.from_pretrained(d, quantization_config=TurboQuantConfig(group_size=64))
+    assert "model.layers.0.mlp.experts" in caplog.text and "stays in full precision" in caplog.text
+    assert not isinstance(q.model.layers[0].mlp.experts, TurboQuantExperts)
+
+
+@pytest.mark.parametrize("bad", [{"expert_bits": 5}, {"expert_bits": "two"}])
+def test_invalid_tier_setting(bad):
+    with pytest.raises(ValueError, match="bits must be one of"):
+        TurboQuantConfig(**bad)
