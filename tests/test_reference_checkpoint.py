@@ -84,3 +84,69 @@ def test_reference_checkpoint_round_trips_byte_identical(reference_dir, tmp_path
     # and now config.json records it: no arguments needed any more
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert isinstance(again.model.layers[0].mlp.down_proj, TurboQuantLinear)
+
+
+def _reference_dequantize_into(model, directory, group_size):
+    """Fill a plain model with the reference package's dequantization of every packed tensor in `directory`."""
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    params = dict(model.named_parameters())
+    state = {}
+    for name in [k for k in tensors if k.endswith(".tq_packed")]:
+        key = name[: -len(".tq_packed")]
+        packed, norms = tensors[name], tensors[key + ".tq_norms"]
+        bits = ref_wq.bits_from_packed_group_bytes(packed.shape[1], group_size)
+        q = ref_ops.PolarQuantTorch(group_size, bits, seed=42, device="cpu")
+        rows, n_groups = norms.shape
+        shape = params[key].shape
+        w = q.dequantize(ref_wq.unpack_indices(packed, bits, group_size), norms.flatten())
+        state[key] = w.reshape(rows, n_groups * group_size)[:, : shape[-1]].reshape(shape)
+    for k, v in tensors.items():
+        if not k.endswith((".tq_packed", ".tq_norms")):
+            state[k] = v.float()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    return model
+
+
+def test_reference_qwen3_5_moe_checkpoint(tmp_path):
+    """The reference writer's tiny Qwen3.5-MoE (pre-fused experts, packed routers, shared_expert_gate and vision
+    Linears, no quantization_config) loads into both classes and matches the reference's dequantization."""
+    from conftest import make_tokenizer
+    from test_moe import qwen3_5_moe
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
+
+    from turboquant_hf.modules import TurboQuantExperts
+
+    torch.manual_seed(0)
+    src, out = str(tmp_path / "src"), str(tmp_path / "ref")
+    model = qwen3_5_moe()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "conv1d" not in name:
+                p.normal_(0, 0.05)
+    model.to(torch.bfloat16).save_pretrained(src, save_original_format=False)
+    make_tokenizer(src)
+    ref_ckpt.save_tq3_checkpoint(src, out, bits=3, group_size=128)
+    assert "model.language_model.layers.0.mlp.gate.weight.tq_packed" in load_file(os.path.join(out, "model.safetensors"))
+
+    plain = Qwen3_5MoeForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
+    reference = _reference_dequantize_into(plain, out, 128)
+    full = Qwen3_5MoeForConditionalGeneration.from_pretrained(out, quantization_config=TurboQuantConfig(),
+                                                              dtype=torch.float32)
+    text = AutoModelForCausalLM.from_pretrained(out, quantization_config=TurboQuantConfig(), dtype=torch.float32)
+    assert type(text) is Qwen3_5MoeForCausalLM
+    for m in (full, text):
+        layers = m.model.language_model.layers if m is full else m.model.layers
+        assert all(isinstance(layer.mlp.experts, TurboQuantExperts) for layer in layers)
+        # routers were packed by the writer: dequantized into their full-precision parameter
+        assert layers[0].mlp.gate.weight.dtype == torch.float32
+    ref_router = reference.model.language_model.layers[0].mlp.gate.weight
+    ours = full.model.language_model.layers[0].mlp.gate.weight
+    assert torch.allclose(ours, ref_router, rtol=0, atol=1e-6 * ref_router.abs().max().item())
+    assert isinstance(full.model.visual.blocks[0].attn.qkv, TurboQuantLinear)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = reference(input_ids=ids).logits
+        for m in (full, text):
+            b = m(input_ids=ids).logits
+            assert ((a - b).norm() / a.norm()).item() < 1e-4

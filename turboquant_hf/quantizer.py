@@ -96,6 +96,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
             raise ValueError("TurboQuant: offloading layers to disk is not supported; use cpu or cuda devices")
 
     def update_dtype(self, dtype):
+        self.load_dtype = dtype
         return dtype
 
     # -- before loading ------------------------------------------------------------------------------------------
@@ -164,24 +165,17 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
     def _plan_from_checkpoint(self, model, packed_keys):
         """Which modules the checkpoint holds packed, with bit widths from each tensor's geometry."""
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-
         group_size = self.quantization_config.group_size
         meta = model.state_dict()
-        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
         ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
         activation = self._activation(model)
         linear_plan, experts_plan, experts_keys = {}, {}, {}
         self.dequantize_into = {}
-        for key in packed_keys:
-            model_key = key if key in meta else rename_source_key(key, renamings, [], model.base_model_prefix, meta)[0]
+        for key, model_key in checkpoint_to_model_keys(model, packed_keys, meta).items():
             if model_key not in meta:
                 if any(p.search(key) or p.search(model_key) for p in ignore):
                     # a part of the checkpoint this class does not load (e.g. the vision tower of a text-only class)
-                    model._keys_to_ignore_on_load_unexpected.update(
-                        {re.escape(key + fmt.PACKED_SUFFIX), re.escape(key + fmt.NORMS_SUFFIX)}
-                    )
+                    _ignore_packed(model, key, model_key)
                     continue
                 raise ckpt.CheckpointError(
                     f"{key}{fmt.PACKED_SUFFIX}: no matching layer in {type(model).__name__}; the checkpoint does "
@@ -203,9 +197,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
                 # packed by a writer that quantizes more than this version keeps packed (routers, ...):
                 # dequantized into the full-precision parameter after loading
                 self.dequantize_into[model_key] = key
-                model._keys_to_ignore_on_load_unexpected.update(
-                    {re.escape(key + fmt.PACKED_SUFFIX), re.escape(key + fmt.NORMS_SUFFIX)}
-                )
+                _ignore_packed(model, key, model_key)
                 model._keys_to_ignore_on_load_missing.add(re.escape(model_key))
             else:
                 raise ckpt.CheckpointError(
@@ -258,12 +250,27 @@ class TurboQuantHfQuantizer(HfQuantizer):
                         raise ckpt.CheckpointError(
                             f"{name}.{attr}: expected shape {shape}, got {tuple(t.shape)} on {t.device}"
                         )
+        self._restore_requested_dtype(model)
         self._dequantize_into_parameters(model)
         _drop_expert_converters_for_saving(model)
         for p in model.parameters():
             p.requires_grad_(False)
         _install_save_hook(model)
         return model
+
+    def _restore_requested_dtype(self, model) -> None:
+        """transformers before `HfQuantizer.get_new_dtype` (5.17) loads every renamed key of a pre-quantized
+        checkpoint in its on-disk dtype (e.g. the float16 of `model.language_model.*` tensors), ignoring `dtype`.
+        Cast those parameters back to the dtype transformers resolved for the model."""
+        dtype = getattr(self, "load_dtype", None)
+        if hasattr(HfQuantizer, "get_new_dtype") or not self.pre_quantized or not isinstance(dtype, torch.dtype):
+            return
+        keep = list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(
+            getattr(model, "_keep_in_fp32_modules_strict", None) or []
+        )
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.dtype != dtype and not any(k in name for k in keep):
+                p.data = p.data.to(dtype)
 
     def _dequantize_into_parameters(self, model) -> None:
         from safetensors import safe_open
@@ -276,9 +283,10 @@ class TurboQuantHfQuantizer(HfQuantizer):
             for suffix in (fmt.PACKED_SUFFIX, fmt.NORMS_SUFFIX):
                 with safe_open(self.checkpoint_index[key + suffix]["file"], "pt") as f:
                     tensors[suffix] = f.get_tensor(key + suffix)
+            dtype = model.get_input_embeddings().weight.dtype
             w = codec.dequantize_weight(
                 tensors[fmt.PACKED_SUFFIX], tensors[fmt.NORMS_SUFFIX], param.shape[-1],
-                self.quantization_config.group_size, dtype=param.dtype,
+                self.quantization_config.group_size, dtype=dtype,
             )
             setattr(owner, attr, nn.Parameter(w.view(param.shape).to(param.device), requires_grad=False))
 
@@ -293,6 +301,26 @@ class TurboQuantHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def checkpoint_to_model_keys(model, keys, meta=None) -> dict[str, str]:
+    """Map checkpoint tensor names to the model's names with transformers' own renamings (prefix changes, ...)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    meta = model.state_dict() if meta is None else meta
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out = {}
+    for key in keys:
+        out[key] = key if key in meta else rename_source_key(key, renamings, [], model.base_model_prefix, meta)[0]
+    return out
+
+
+def _ignore_packed(model, key: str, model_key: str) -> None:
+    names = set()
+    for k in (key, model_key):
+        names.update({re.escape(k + fmt.PACKED_SUFFIX), re.escape(k + fmt.NORMS_SUFFIX)})
+    model._keys_to_ignore_on_load_unexpected.update(names)
 
 
 def _drop_expert_converters_for_saving(model) -> None:
@@ -312,17 +340,22 @@ def _drop_expert_converters_for_saving(model) -> None:
     ]
 
 
-def describe_quantized_model(model) -> dict:
-    """The `tq_config.json` that describes `model`'s TurboQuant layers."""
+def describe_quantized_model(model, save_directory: str) -> dict:
+    """The `tq_config.json` that describes `model` as saved in `save_directory` (names as written there)."""
     cfg = model.config.quantization_config
     if isinstance(cfg, dict):
         cfg = TurboQuantConfig.from_dict(cfg)
+    files = [os.path.join(save_directory, f) for f in os.listdir(save_directory) if f.endswith(".safetensors")]
+    saved = ckpt.packed_weight_keys(ckpt.read_checkpoint_index(files))
+    modules = dict(model.named_modules())
     layers, orig_in_dims = 0, {}
-    for name, module in model.named_modules():
-        if isinstance(module, TurboQuantWeight):
-            layers += 1
-            if module.in_features % module.group_size:
-                orig_in_dims[name] = module.in_features
+    for key, model_key in checkpoint_to_model_keys(model, saved).items():
+        module = modules.get(model_key)
+        if not isinstance(module, TurboQuantWeight):
+            continue
+        layers += 1
+        if module.in_features % module.group_size:
+            orig_in_dims[key] = module.in_features
     out = {
         "format": fmt.FORMAT_NAME,
         "bits": cfg.bits,
@@ -361,7 +394,7 @@ def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: boo
     path = os.path.join(save_directory, fmt.TQ_CONFIG_NAME)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(describe_quantized_model(self), f, indent=2)
+        json.dump(describe_quantized_model(self, save_directory), f, indent=2)
     os.replace(tmp, path)
     if not model_card and not push:
         return result
