@@ -177,6 +177,8 @@ def test_mixed_bits_recovered_from_geometry(tiny_llama_dir, tmp_path):
     assert bits["model.layers.0.self_attn.v_proj"] == 3 and bits["model.layers.1.self_attn.k_proj"] == 1.58
     packed = load_file(os.path.join(tmp_path, "model.safetensors"))
     assert packed["model.layers.1.self_attn.k_proj.weight.tq_packed"].shape[1] == 26  # ternary, G=128
+    assert packed["model.layers.1.self_attn.k_proj.weight.tq_norms"].dtype == torch.float16  # ternary tier
+    assert packed["model.layers.0.mlp.down_proj.weight.tq_norms"].dtype == torch.float32
     with torch.no_grad():
         assert torch.equal(q(_ids()).logits, again(_ids()).logits)
 
@@ -234,9 +236,9 @@ def test_wrong_shape_named(saved_dir, tmp_path):
         AutoModelForCausalLM.from_pretrained(d)
     t = load_file(os.path.join(saved_dir, "model.safetensors"))
     name = "model.layers.0.self_attn.k_proj.weight.tq_norms"
-    t[name] = t[name].to(torch.float16)
+    t[name] = t[name].to(torch.bfloat16)
     save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + ".*float32"):
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + ".*float32 \\(or float16\\)"):
         AutoModelForCausalLM.from_pretrained(d)
 
 

@@ -69,17 +69,19 @@ def packed_weight_keys(index: dict[str, Any]) -> list[str]:
     return sorted(k[: -len(fmt.PACKED_SUFFIX)] for k in index if k.endswith(fmt.PACKED_SUFFIX))
 
 
-def check_packed_tensor(index: dict[str, Any], key: str, rows: int, in_features: int, group_size: int) -> int:
-    """Validate `key.tq_packed` / `key.tq_norms` against a layer of `rows` x `in_features`; return its codebook size."""
+def check_packed_tensor(index: dict[str, Any], key: str, rows: int, in_features: int, group_size: int):
+    """Validate `key.tq_packed` / `key.tq_norms` against a layer of `rows` x `in_features`.
+
+    Returns (codebook size, norms dtype)."""
     packed_name, norms_name = key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX
     n_groups = -(-in_features // group_size)
     for name in (packed_name, norms_name):
         if name not in index:
             raise CheckpointError(f"checkpoint is missing {name} (needed for the quantized layer {key})")
     packed, norms = index[packed_name], index[norms_name]
-    if norms["dtype"] != "F32" or norms["shape"] != (rows, n_groups):
+    if norms["dtype"] not in fmt.NORMS_DTYPES or norms["shape"] != (rows, n_groups):
         raise CheckpointError(
-            f"{norms_name}: expected float32 of shape {(rows, n_groups)} for a {rows}x{in_features} layer at "
+            f"{norms_name}: expected float32 (or float16) of shape {(rows, n_groups)} for a {rows}x{in_features} layer at "
             f"group_size {group_size}, found {norms['dtype']} {norms['shape']}"
         )
     if packed["dtype"] != "U8" or len(packed["shape"]) != 2 or packed["shape"][0] != rows * n_groups:
@@ -88,7 +90,7 @@ def check_packed_tensor(index: dict[str, Any], key: str, rows: int, in_features:
             f"{packed['dtype']} {packed['shape']}"
         )
     try:
-        return fmt.levels_from_geometry(packed["shape"][1], group_size)
+        return fmt.levels_from_geometry(packed["shape"][1], group_size), fmt.NORMS_DTYPES[norms["dtype"]]
     except ValueError as e:
         raise CheckpointError(f"{packed_name}: {e}") from e
 

@@ -74,6 +74,16 @@ def bytes_per_group(n_levels: int, group_size: int) -> int:
     return group_size * int(math.log2(n_levels)) // 8
 
 
+def default_norms_dtype(n_levels: int) -> torch.dtype:
+    """dtype of `.tq_norms` written for a new tensor: float16 for the ternary tier (measured: identical
+    reconstruction error to 6 digits, and 0.125 bits per weight less at G = 128), float32 for 2/3/4 bits as
+    in the published format. Readers take each tensor's norms dtype from the file."""
+    return torch.float16 if n_levels == 3 else torch.float32
+
+
+NORMS_DTYPES = {"F32": torch.float32, "F16": torch.float16}
+
+
 def levels_from_geometry(bytes_per_group_: int, group_size: int) -> int:
     """Recover the codebook size of a tensor from its packed width (unique for a given G)."""
     for n_levels in (3, 4, 8, 16):

@@ -35,7 +35,7 @@ class TurboQuantWeight(nn.Module):
     `(E, out, in)` for fused experts); `rows = prod(source_shape[:-1])`.
     """
 
-    def __init__(self, source_shape: tuple, bits, group_size: int, device=None):
+    def __init__(self, source_shape: tuple, bits, group_size: int, device=None, norms_dtype=None):
         super().__init__()
         self.source_shape = tuple(source_shape)
         rows = 1
@@ -49,7 +49,8 @@ class TurboQuantWeight(nn.Module):
         self.n_groups = -(-in_features // group_size)
         bpg = fmt.bytes_per_group(self.n_levels, group_size)
         self.register_buffer("tq_packed", torch.empty(rows * self.n_groups, bpg, dtype=torch.uint8, device=device))
-        self.register_buffer("tq_norms", torch.empty(rows, self.n_groups, dtype=torch.float32, device=device))
+        self.norms_dtype = norms_dtype or fmt.default_norms_dtype(self.n_levels)
+        self.register_buffer("tq_norms", torch.empty(rows, self.n_groups, dtype=self.norms_dtype, device=device))
         # While a full-precision checkpoint loads, the state dict advertises the source tensor (its parent's
         # name for it, e.g. `q_proj.weight`) in this dtype, so the loader hands it to the quantize op.
         self.awaiting_dtype: torch.dtype | None = None
@@ -61,7 +62,7 @@ class TurboQuantWeight(nn.Module):
 
     def load_packed_(self, packed: torch.Tensor, norms: torch.Tensor) -> None:
         self.tq_packed = packed
-        self.tq_norms = norms
+        self.tq_norms = to_norms_dtype(norms, self.norms_dtype)
         self.awaiting_dtype = None
 
     @property
@@ -82,8 +83,8 @@ class TurboQuantWeight(nn.Module):
         # model.to(torch.bfloat16) / .half() must move the norms, never round them.
         norms = self.tq_norms
         super()._apply(fn, recurse)
-        if self.tq_norms.dtype != torch.float32:
-            self.tq_norms = norms.to(device=self.tq_norms.device, dtype=torch.float32)
+        if self.tq_norms.dtype != norms.dtype:
+            self.tq_norms = norms.to(device=self.tq_norms.device)
         return self
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
@@ -91,6 +92,14 @@ class TurboQuantWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rows={self.rows}, in_features={self.in_features}, bits={self.bits}, group_size={self.group_size}"
+
+
+def to_norms_dtype(norms: torch.Tensor, dtype: torch.dtype, name: str = "norms") -> torch.Tensor:
+    """Cast float32 norms for storage; a norm that float16 cannot hold is an error, never an Inf."""
+    out = norms.to(dtype)
+    if dtype != norms.dtype and not torch.isfinite(out).all():
+        raise ValueError(f"{name}: group norms exceed the {dtype} range; store this tensor with float32 norms")
+    return out
 
 
 class TurboQuantLinear(nn.Module):
@@ -105,11 +114,13 @@ class TurboQuantLinear(nn.Module):
         group_size: int = 128,
         dtype: torch.dtype = torch.float32,
         device=None,
+        norms_dtype=None,
     ):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = TurboQuantWeight((out_features, in_features), bits, group_size, device=device)
+        self.weight = TurboQuantWeight((out_features, in_features), bits, group_size, device=device,
+                                       norms_dtype=norms_dtype)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     @property
@@ -156,6 +167,7 @@ class TurboQuantExperts(nn.Module):
         group_size: int = 128,
         activation: str = "silu",
         device=None,
+        norms_dtypes: tuple = (None, None),
     ):
         super().__init__()
         if activation not in ops.ACTIVATIONS:
@@ -165,9 +177,9 @@ class TurboQuantExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.gate_up_proj = TurboQuantWeight((num_experts, 2 * intermediate_size, hidden_size), gate_up_bits,
-                                             group_size, device=device)
+                                             group_size, device=device, norms_dtype=norms_dtypes[0])
         self.down_proj = TurboQuantWeight((num_experts, hidden_size, intermediate_size), down_bits, group_size,
-                                          device=device)
+                                          device=device, norms_dtype=norms_dtypes[1])
 
     @property
     def group_size(self) -> int:
@@ -203,11 +215,13 @@ def fused_experts_geometry(module: nn.Module) -> tuple[int, int, int] | None:
 
 
 def replace_experts_modules(model: nn.Module, plan: dict[str, tuple], awaiting_weights: bool) -> int:
-    """Swap each experts module named in `plan` ({name: (gate_up_bits, down_bits, group_size, activation)})."""
-    for name, (gu_bits, dn_bits, group_size, activation) in plan.items():
+    """Swap each experts module named in `plan`
+    ({name: (gate_up_bits, down_bits, group_size, activation[, (gate_up_norms_dtype, down_norms_dtype)])})."""
+    for name, (gu_bits, dn_bits, group_size, activation, *rest) in plan.items():
         old = model.get_submodule(name)
         e, h, i = fused_experts_geometry(old)
-        new = TurboQuantExperts(e, h, i, gu_bits, dn_bits, group_size, activation, device=old.gate_up_proj.device)
+        new = TurboQuantExperts(e, h, i, gu_bits, dn_bits, group_size, activation, device=old.gate_up_proj.device,
+                                norms_dtypes=rest[0] if rest else (None, None))
         if awaiting_weights:
             new.gate_up_proj.awaiting_dtype = old.gate_up_proj.dtype
             new.down_proj.awaiting_dtype = old.down_proj.dtype
@@ -216,9 +230,9 @@ def replace_experts_modules(model: nn.Module, plan: dict[str, tuple], awaiting_w
 
 
 def replace_linear_modules(model: nn.Module, plan: dict[str, tuple], awaiting_weights: bool) -> int:
-    """Swap every `nn.Linear` named in `plan` ({name: (bits, group_size)}) for a TurboQuantLinear on its device."""
+    """Swap every `nn.Linear` named in `plan` ({name: (bits, group_size[, norms_dtype])}) for a TurboQuantLinear."""
     count = 0
-    for name, (bits, group_size) in plan.items():
+    for name, (bits, group_size, *rest) in plan.items():
         linear = model.get_submodule(name)
         new = TurboQuantLinear(
             linear.in_features,
@@ -228,6 +242,7 @@ def replace_linear_modules(model: nn.Module, plan: dict[str, tuple], awaiting_we
             group_size=group_size,
             dtype=linear.weight.dtype,
             device=linear.weight.device,
+            norms_dtype=rest[0] if rest else None,
         )
         if awaiting_weights:
             new.weight.awaiting_dtype = linear.weight.dtype

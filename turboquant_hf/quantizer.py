@@ -26,6 +26,7 @@ from .modules import (
     fused_experts_geometry,
     replace_experts_modules,
     replace_linear_modules,
+    to_norms_dtype,
 )
 from .ops import ACTIVATIONS
 
@@ -69,6 +70,11 @@ class TurboQuantize(ConversionOps):
                 packed, norms = codec.quantize_weight(value, target.bits, target.group_size, name=key)
             except ValueError as e:
                 # transformers swallows exceptions raised here into a generic report; keep ours for after loading.
+                self.hf_quantizer.conversion_failures[key] = str(e)
+                continue
+            try:
+                norms = to_norms_dtype(norms, target.norms_dtype, name=key)
+            except ValueError as e:
                 self.hf_quantizer.conversion_failures[key] = str(e)
                 continue
             target.awaiting_dtype = None
@@ -187,12 +193,14 @@ class TurboQuantHfQuantizer(HfQuantizer):
             rows = 1
             for d in source_shape[:-1]:
                 rows *= d
-            n_levels = ckpt.check_packed_tensor(self.checkpoint_index, key, rows, source_shape[-1], group_size)
+            n_levels, norms_dtype = ckpt.check_packed_tensor(
+                self.checkpoint_index, key, rows, source_shape[-1], group_size
+            )
             bits = fmt.bits_for_levels(n_levels)
             if type(owner) is nn.Linear and attr == "weight":
-                linear_plan[owner_name] = (bits, group_size)
+                linear_plan[owner_name] = (bits, group_size, norms_dtype)
             elif attr in ("gate_up_proj", "down_proj") and fused_experts_geometry(owner) is not None:
-                experts_keys.setdefault(owner_name, {})[attr] = (key, bits)
+                experts_keys.setdefault(owner_name, {})[attr] = (key, bits, norms_dtype)
             elif len(source_shape) == 2:
                 # packed by a writer that quantizes more than this version keeps packed (routers, ...):
                 # dequantized into the full-precision parameter after loading
@@ -214,7 +222,10 @@ class TurboQuantHfQuantizer(HfQuantizer):
                     )
             if activation not in ACTIVATIONS:
                 raise ckpt.CheckpointError(f"{name}: activation {activation!r} is not supported by TurboQuantExperts")
-            experts_plan[name] = (parts["gate_up_proj"][1], parts["down_proj"][1], group_size, activation)
+            experts_plan[name] = (
+                parts["gate_up_proj"][1], parts["down_proj"][1], group_size, activation,
+                (parts["gate_up_proj"][2], parts["down_proj"][2]),
+            )
         return linear_plan, experts_plan
 
     # -- during loading ------------------------------------------------------------------------------------------
@@ -230,7 +241,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
     def param_element_size(self, model, param_name: str, param) -> float:
         if self.param_needs_quantization(model, param_name):
             w = model.get_submodule(param_name)
-            return (fmt.bytes_per_group(w.n_levels, w.group_size) + 4) / w.group_size
+            return (fmt.bytes_per_group(w.n_levels, w.group_size) + w.tq_norms.element_size()) / w.group_size
         return super().param_element_size(model, param_name, param)
 
     def get_quantize_ops(self):
