@@ -1,0 +1,60 @@
+"""GPU implementations of the `turboquant` torch ops (installed as `turboquant_hf.kernels`).
+
+Importing this package registers the Triton kernels in `linear.py` as the CUDA
+implementation of `torch.ops.turboquant.linear` (`turboquant_hf.ops` imports it
+at its end). Registration needs only that the `triton` package can be found;
+triton itself is imported lazily, on the first call with CUDA tensors, so
+importing this package on a machine without triton or without CUDA works and
+leaves the plain-torch reference as the implementation for every device. The
+reference stays the CPU implementation and the oracle in any case.
+
+Set `TURBOQUANT_DISABLE_TRITON=1` before importing `turboquant_hf` to keep the
+reference for CUDA tensors too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["registered", "register"]
+
+_registered = False
+
+
+def _cuda_linear(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
+    from . import linear
+
+    return linear.linear(x, packed, norms, codebook, signs1, signs2, group_size, in_features)
+
+
+def registered() -> bool:
+    """True when the Triton kernels serve `torch.ops.turboquant.linear` for CUDA tensors."""
+    return _registered
+
+
+def register() -> bool:
+    """Register the Triton kernels for the CUDA dispatch key (idempotent). Returns `registered()`."""
+    global _registered
+    if _registered:
+        return True
+    if os.environ.get("TURBOQUANT_DISABLE_TRITON", "0") not in ("", "0"):
+        return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if not hasattr(torch.ops.turboquant, "linear"):
+        # the op is defined in turboquant_hf.ops, which imports this package at its end
+        from turboquant_hf import ops  # noqa: F401
+    torch.library.register_kernel("turboquant::linear", "cuda")(_cuda_linear)
+    _registered = True
+    return True
+
+
+try:
+    register()
+except Exception as exc:  # never break importing the package: the reference path still works
+    import warnings
+
+    warnings.warn(f"turboquant_hf.kernels: Triton kernels not registered ({exc!r}); using the torch reference")

@@ -1,0 +1,668 @@
+"""Triton kernels for `torch.ops.turboquant.linear` (CUDA).
+
+The product `y = x @ W.T` for a TurboQuant-packed weight runs in two steps,
+both reading the published tq3_native layout directly (no repacked copy):
+
+1. `rotate`: the activations, rotated per group of G (`x_rot = D2 . H . D1 . x`,
+   H the normalised Walsh-Hadamard matrix), zero-padded to `n_groups * G`.
+   One Triton kernel; the Hadamard product runs as a `tl.dot` with a +-1
+   matrix built in registers, so bf16/fp16 inputs rotate exactly (fp32
+   accumulation) and fp32 inputs use full-precision dots.
+2. the codebook product, chosen by the number of activation rows M:
+   - `gemv_fma` (M == 1, and any M for float32 activations): one program per
+     block of BN weight rows (and per activation row), the packed bytes of
+     GPI groups per step decoded in registers, turned into codebook values
+     and multiplied into float32 partial sums per group, which are scaled by
+     the group norms. No tensor cores. A codebook value comes either from a
+     load of the (L1-resident) codebook or from a tree of selects on the
+     index bits; `LUT_MASKS` mixes the two per index position so both the
+     load/store and the integer pipes work.
+   - `gemv_dot` (2 <= M <= DOT_MAX_M): one group per step decoded to a
+     `[BN, G]` tile in the activations' dtype and multiplied on the tensor
+     cores against `x_rot` (bf16/fp16); the `[BN, BM]` product is scaled by
+     the group norms and accumulated in float32.
+   - prefill (M > DOT_MAX_M): `dequantize_rotated` writes the rotated-basis
+     weight `norm * codebook[idx]` to a scratch `(rows, n_groups*G)` buffer in
+     the activations' dtype, then cuBLAS multiplies (`F.linear`).
+
+Packing (see `turboquant_hf.codec.pack_indices`): every group is an LSB-first
+bit stream. The kernels read it in "units" that hold a whole number of
+indices: one 32-bit word (16 two-bit or 8 four-bit indices), three words (32
+three-bit indices), or one byte (5 base-3 ternary digits). Inside a unit the
+index positions are compile-time constants, so extraction is a shift and a
+mask (a funnel shift for the two 3-bit indices that straddle words).
+
+Every launcher is a plain Python function over torch tensors, so the same
+code runs under `TRITON_INTERPRET=1` on CPU tensors (the tests do that).
+No launcher synchronises with the host or allocates anything but its output
+and the intermediate activations (and, for prefill, the scratch weight).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Largest M served by the tensor-core GEMV; above it: dequantize + cuBLAS.
+DOT_MAX_M = 16
+# Largest M served by the FMA GEMV for 16-bit activations (float32 always uses it up to DOT_MAX_M).
+FMA_MAX_M = 1
+
+
+# ---------------------------------------------------------------------------
+# geometry of the packed units
+# ---------------------------------------------------------------------------
+
+def unit_geometry(n_levels: int, group_size: int) -> dict:
+    """Constants that describe how one group's packed bytes split into units.
+
+    PER: indices per unit; WPU: 32-bit words per unit (0 = byte units, ternary);
+    UPG: units per group; UPG_P: UPG rounded up to a power of two;
+    PER_P: PER rounded up to a power of two (ternary 5 -> 8).
+    """
+    g = group_size
+    if n_levels == 3:
+        bpg = -(-g // 5)
+        return dict(PER=5, PER_P=8, WPU=0, UPG=bpg, UPG_P=triton.next_power_of_2(bpg))
+    if n_levels == 4:
+        per, wpu = 16, 1
+    elif n_levels == 8:
+        per, wpu = 32, 3
+    elif n_levels == 16:
+        per, wpu = 8, 1
+    else:
+        raise ValueError(f"unsupported codebook size {n_levels} (expected 3, 4, 8 or 16)")
+    return dict(PER=per, PER_P=per, WPU=wpu, UPG=g // per, UPG_P=g // per)
+
+
+# ---------------------------------------------------------------------------
+# device helpers
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _extract(w0, w1, w2, J: tl.constexpr, NLEV: tl.constexpr):
+    """Index number J of a unit (uint32 words w0..w2, or a byte for ternary) as int32."""
+    if NLEV == 4:
+        v = (w0 >> (2 * J)) & 3
+    elif NLEV == 16:
+        v = (w0 >> (4 * J)) & 15
+    elif NLEV == 8:
+        BIT: tl.constexpr = 3 * J
+        OFF: tl.constexpr = BIT % 32
+        if BIT // 32 == 0:
+            lo = w0
+            hi = w1
+        elif BIT // 32 == 1:
+            lo = w1
+            hi = w2
+        else:
+            lo = w2
+            hi = w2
+        if OFF <= 29:
+            v = (lo >> OFF) & 7
+        else:
+            v = ((lo >> OFF) | (hi << (32 - OFF))) & 7
+    else:
+        # ternary: digit J of a base-3 byte, least-significant digit first
+        POW: tl.constexpr = 3**J
+        if POW == 1:
+            q = w0
+        else:
+            q = w0 // POW
+        if J == 4:
+            v = q
+        else:
+            v = q - (q // 3) * 3
+    return v.to(tl.int32)
+
+
+@triton.jit
+def _bit(w0, w1, w2, B: tl.constexpr):
+    """Bit B of a unit's bit stream (uint32 words w0, w1, w2) as a boolean tensor."""
+    if B // 32 == 0:
+        w = w0
+    elif B // 32 == 1:
+        w = w1
+    else:
+        w = w2
+    if B % 32 == 31:
+        p = (w >> 31) != 0
+    else:
+        p = (w & (1 << (B % 32))) != 0
+    return p
+
+
+@triton.jit
+def _sel4(p0, p1, c0, c1, c2, c3):
+    return tl.where(p1, tl.where(p0, c3, c2), tl.where(p0, c1, c0))
+
+
+@triton.jit
+def _codebook16(cb_ptr, NLEV: tl.constexpr):
+    """The codebook as 16 scalars (entries past NLEV repeat entry 0), loaded once per program."""
+    c0 = tl.load(cb_ptr)
+    c1 = tl.load(cb_ptr + 1)
+    c2 = tl.load(cb_ptr + 2)
+    c3 = c0
+    c4 = c0
+    c5 = c0
+    c6 = c0
+    c7 = c0
+    c8 = c0
+    c9 = c0
+    c10 = c0
+    c11 = c0
+    c12 = c0
+    c13 = c0
+    c14 = c0
+    c15 = c0
+    if NLEV >= 4:
+        c3 = tl.load(cb_ptr + 3)
+    if NLEV >= 8:
+        c4 = tl.load(cb_ptr + 4)
+        c5 = tl.load(cb_ptr + 5)
+        c6 = tl.load(cb_ptr + 6)
+        c7 = tl.load(cb_ptr + 7)
+    if NLEV >= 16:
+        c8 = tl.load(cb_ptr + 8)
+        c9 = tl.load(cb_ptr + 9)
+        c10 = tl.load(cb_ptr + 10)
+        c11 = tl.load(cb_ptr + 11)
+        c12 = tl.load(cb_ptr + 12)
+        c13 = tl.load(cb_ptr + 13)
+        c14 = tl.load(cb_ptr + 14)
+        c15 = tl.load(cb_ptr + 15)
+    return c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+
+
+@triton.jit
+def _value(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, LUT_MASK: tl.constexpr,
+           c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """float32 codebook value of index number J of every unit.
+
+    Two ways, mixed per J by the bit mask LUT_MASK so that both pipes work: a load from the
+    (L1-resident) codebook (bit J set: ~5 integer ops + one load), or a tree of selects on the
+    index bits (no memory access: 3 selects for 2 bits, 7 for 3, 15 for 4, plus bit tests)."""
+    if (LUT_MASK >> J) & 1:
+        v = tl.load(cb_ptr + _extract(w0, w1, w2, J, NLEV))
+    elif NLEV == 3:
+        d = _extract(w0, w1, w2, J, NLEV)
+        v = tl.where(d == 0, c0, tl.where(d == 1, c1, c2))
+    elif NLEV == 4:
+        v = _sel4(_bit(w0, w1, w2, 2 * J), _bit(w0, w1, w2, 2 * J + 1), c0, c1, c2, c3)
+    elif NLEV == 8:
+        p0 = _bit(w0, w1, w2, 3 * J)
+        p1 = _bit(w0, w1, w2, 3 * J + 1)
+        p2 = _bit(w0, w1, w2, 3 * J + 2)
+        v = tl.where(p2, _sel4(p0, p1, c4, c5, c6, c7), _sel4(p0, p1, c0, c1, c2, c3))
+    else:
+        p0 = _bit(w0, w1, w2, 4 * J)
+        p1 = _bit(w0, w1, w2, 4 * J + 1)
+        p2 = _bit(w0, w1, w2, 4 * J + 2)
+        p3 = _bit(w0, w1, w2, 4 * J + 3)
+        lo = tl.where(p2, _sel4(p0, p1, c4, c5, c6, c7), _sel4(p0, p1, c0, c1, c2, c3))
+        hi = tl.where(p2, _sel4(p0, p1, c12, c13, c14, c15), _sel4(p0, p1, c8, c9, c10, c11))
+        v = tl.where(p3, hi, lo)
+    return v
+
+
+@triton.jit
+def _leaf(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr, DT: tl.constexpr,
+          LUT_MASK: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    if J < PER:
+        out = _value(w0, w1, w2, cb_ptr, J, NLEV, LUT_MASK, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(DT)
+    else:
+        out = (w0 & 0).to(DT)  # padding slot (ternary units hold 5 of 8)
+    return out
+
+
+# The codebook values of indices J0, J0+ST, J0+2ST, ... of every unit, joined so that the last joined
+# dim is the lowest bit of the index number: reshaping `[..., 2, ..., 2]` row-major then gives the
+# natural order j = 0..SPAN-1. One function per level (no recursion in Triton functions).
+@triton.jit
+def _tree2(w0, w1, w2, cb_ptr, J0: tl.constexpr, ST: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
+           DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.join(_leaf(w0, w1, w2, cb_ptr, J0, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                   _leaf(w0, w1, w2, cb_ptr, J0 + ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+
+
+@triton.jit
+def _tree4(w0, w1, w2, cb_ptr, J0: tl.constexpr, ST: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
+           DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.join(_tree2(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                   _tree2(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+
+
+@triton.jit
+def _tree8(w0, w1, w2, cb_ptr, J0: tl.constexpr, ST: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
+           DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.join(_tree4(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                   _tree4(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+
+
+@triton.jit
+def _tree16(w0, w1, w2, cb_ptr, J0: tl.constexpr, ST: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
+            DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.join(_tree8(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                   _tree8(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+
+
+@triton.jit
+def _decode_unit_values(w0, w1, w2, cb_ptr, PER_P: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
+                        DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """`[..., UPG_P]` units -> `[..., UPG_P, 2, ..., 2]` codebook values (PER_P of them per unit) in DT."""
+    if PER_P == 32:
+        out = tl.join(_tree16(w0, w1, w2, cb_ptr, 0, 2, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                      _tree16(w0, w1, w2, cb_ptr, 1, 2, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+    elif PER_P == 16:
+        out = _tree16(w0, w1, w2, cb_ptr, 0, 1, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+    else:
+        out = _tree8(w0, w1, w2, cb_ptr, 0, 1, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+    return out
+
+
+@triton.jit
+def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr):
+    """Load the words (or the byte) of units at `unit_off` (in units); uint32 results."""
+    if mask is None:
+        if WPU == 0:
+            w0 = tl.load(pk_ptr + unit_off, eviction_policy="evict_first").to(tl.uint32)
+            w1 = w0
+            w2 = w0
+        elif WPU == 1:
+            w0 = tl.load(pk_ptr + unit_off, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            w1 = w0
+            w2 = w0
+        else:
+            base = pk_ptr + unit_off * WPU
+            w0 = tl.load(base, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            w1 = tl.load(base + 1, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            w2 = tl.load(base + 2, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+    elif WPU == 0:
+        w0 = tl.load(pk_ptr + unit_off, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32)
+        w1 = w0
+        w2 = w0
+    elif WPU == 1:
+        w0 = tl.load(pk_ptr + unit_off, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        w1 = w0
+        w2 = w0
+    else:
+        base = pk_ptr + unit_off * WPU
+        w0 = tl.load(base, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        w1 = tl.load(base + 1, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        w2 = tl.load(base + 2, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+    return w0, w1, w2
+
+
+# ---------------------------------------------------------------------------
+# 1. activation rotation
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, M, K, stride_xm, stride_om, scale,
+                   G: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, EXACT16: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    kk = tl.arange(0, G)
+    cc = pid_c * BC + tl.arange(0, BC)
+    k = pid_g * G + kk
+    mmask = rm < M
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+    s1 = tl.load(s1_ptr + kk)
+    # +-1 Sylvester Hadamard entries: (-1)^popcount(i & j)
+    p = kk[:, None] & cc[None, :]
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    h = 1.0 - 2.0 * (p & 1).to(tl.float32)
+    if EXACT16:
+        # x is bf16/fp16: sign flips and +-1 products are exact, accumulation is float32
+        xs = tl.where(s1[None, :] < 0, -x, x)
+        y = tl.dot(xs, h.to(x.dtype))
+    else:
+        xs = x.to(tl.float32) * s1[None, :]
+        y = tl.dot(xs, h, input_precision="ieee")
+    s2 = tl.load(s2_ptr + cc)
+    y = y * scale * s2[None, :]
+    optr = out_ptr + rm[:, None] * stride_om + (pid_g * G + cc)[None, :]
+    tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """`(M, in)` activations -> `(M, n_groups*G)` rotated, zero-padded, in `out_dtype`."""
+    m, k = x2.shape
+    g = group_size
+    ng = -(-k // g)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(m, ng * g, dtype=out_dtype, device=x2.device)
+    if m == 0:
+        return out
+    bm = 64 if m > 16 and x2.dtype != torch.float32 else 16
+    exact16 = x2.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
+    bc = min(g, 64 if exact16 else 32)
+    grid = (triton.cdiv(m, bm), ng, g // bc)
+    _rotate_kernel[grid](x2, signs1, signs2, out, m, k, x2.stride(0), out.stride(0), 1.0 / math.sqrt(g),
+                         G=g, BM=bm, BC=bc, EXACT16=exact16, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 2a. GEMV on CUDA cores (M == 1; any M for float32)
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_xm, stride_om,
+                     NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, WPU: tl.constexpr,
+                     UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr, GPI: tl.constexpr,
+                     LUT_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_G: tl.constexpr):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codebook16(cb_ptr, NLEV)
+    rn = pid_n * BN + tl.arange(0, BN)
+    if EVEN_N:
+        nmask = rn >= 0
+    else:
+        nmask = rn < N
+    rg = tl.arange(0, GPI)
+    ru = tl.arange(0, UPG_P)
+    n3 = rn[:, None, None]
+    u3 = ru[None, None, :]
+    u2 = ru[None, :]
+    acc = tl.zeros([BN], dtype=tl.float32)
+    xrow = xr_ptr + m * stride_xm
+    g0 = 0
+    while g0 < NG:  # (a while loop: Triton 3.6's interpreter cannot range() over a runtime bound)
+        gg = g0 + rg
+        if EVEN_G:
+            gmask = rg >= 0
+        else:
+            gmask = gg < NG
+        g3 = gg[None, :, None]
+        unit_off = (n3 * NG + g3) * UPG + u3
+        xbase = xrow + gg[:, None] * G + u2 * PER  # [GPI, UPG_P]
+        part = tl.zeros([BN, GPI, UPG_P], dtype=tl.float32)
+        if WPU == 0:
+            # ternary: one byte = 5 base-3 digits, peeled off least-significant first
+            wmask = nmask[:, None, None] & gmask[None, :, None] & (u3 < UPG)
+            q = tl.load(pk_ptr + unit_off, mask=wmask, other=0, eviction_policy="evict_first").to(tl.uint32)
+            for j in tl.static_range(PER):
+                if j == PER - 1:
+                    d = q
+                else:
+                    q3 = q // 3
+                    d = q - q3 * 3
+                    q = q3
+                if (LUT_MASK >> j) & 1:
+                    c = tl.load(cb_ptr + d.to(tl.int32))
+                else:
+                    c = tl.where(d == 0, c0, tl.where(d == 1, c1, c2))
+                if EVEN_G:
+                    xj = tl.load(xbase + j, mask=u2 * PER + j < G, other=0.0)
+                else:
+                    xj = tl.load(xbase + j, mask=gmask[:, None] & (u2 * PER + j < G), other=0.0)
+                part += c * xj[None, :, :]
+        else:
+            if EVEN_N and EVEN_G:
+                w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU)
+            else:
+                w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None, None] & gmask[None, :, None], WPU)
+            for j in tl.static_range(PER):
+                c = _value(w0, w1, w2, cb_ptr, j, NLEV, LUT_MASK, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+                if EVEN_G:
+                    xj = tl.load(xbase + j)
+                else:
+                    xj = tl.load(xbase + j, mask=gmask[:, None], other=0.0)
+                part += c * xj[None, :, :]
+        if EVEN_N and EVEN_G:
+            nr = tl.load(nrm_ptr + rn[:, None] * NG + gg[None, :])
+        else:
+            nr = tl.load(nrm_ptr + rn[:, None] * NG + gg[None, :], mask=nmask[:, None] & gmask[None, :], other=0.0)
+        acc += tl.sum(tl.sum(part, axis=2) * nr, axis=1)
+        g0 += GPI
+    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def _fma_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
+    """(BN, GPI, num_warps) for the FMA GEMV, from the weight shape only.
+
+    Picked from a sweep on an H200 (benchmarks/RESULTS.md): 8 rows per program below 8192 output
+    rows, 16 above; GPI (groups per step) gives each thread 128 weights per step (256 for 2- and
+    4-bit with 16 rows); ternary does best with 2 groups per step."""
+    cfg = _FMA_OVERRIDE.get((n, ng * g, n_levels, g))
+    if cfg is not None:
+        return cfg
+    geo = unit_geometry(n_levels, g)
+    g_eff = geo["UPG_P"] * geo["PER"]  # decoded slots per group (ternary pads 26 bytes to 32)
+    if n >= 8192:
+        bn, warps, per_thread = (16, 4, 128) if n_levels in (3, 8) else (16, 2, 256)
+    else:
+        bn, warps, per_thread = 8, 2, 128
+    if n_levels == 3 and n >= 8192:
+        gpi = max(1, 256 // g)
+    else:
+        gpi = max(1, (per_thread * 32 * warps) // (bn * g_eff))
+        gpi = 1 << (gpi.bit_length() - 1)
+    gpi = min(gpi, triton.next_power_of_2(ng))
+    return bn, gpi, warps
+
+
+# Which index numbers j of a unit are looked up with a load from the codebook (bit j set) rather
+# than a tree of selects: the mix that balances the load/store and integer pipes (the codebook
+# loads cost ~4 cycles of the load/store unit per warp, the selects 3/7/15 integer ops per weight).
+LUT_MASKS = {3: 0x5, 4: 0x0, 8: 0x11111111, 16: 0x55555555}
+
+
+def _with_mask(cfg: tuple, n_levels: int) -> tuple:
+    return tuple(cfg) if len(cfg) == 4 else (*cfg, LUT_MASKS[n_levels])
+
+
+_FMA_OVERRIDE: dict = {}
+_DOT_OVERRIDE: dict = {}
+
+
+def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
+             group_size: int, out_dtype: torch.dtype, config=None) -> torch.Tensor:
+    """`(M, n_groups*G)` float32 rotated activations times the packed weight -> `(M, rows)` in out_dtype."""
+    m = x_rot.shape[0]
+    n, ng = norms.shape
+    n_levels = codebook.numel()
+    geo = unit_geometry(n_levels, group_size)
+    bn, gpi, warps, lut = _with_mask(config or _fma_config(n, ng, n_levels, group_size), n_levels)
+    out = torch.empty(m, n, dtype=out_dtype, device=x_rot.device)
+    if m == 0 or n == 0:
+        return out
+    pk = _packed_view(packed, geo["WPU"])
+    grid = (triton.cdiv(n, bn), m)
+    _gemv_fma_kernel[grid](x_rot, pk, norms, codebook, out, n, ng, x_rot.stride(0), out.stride(0),
+                           NLEV=n_levels, G=group_size, PER=geo["PER"], WPU=geo["WPU"], UPG=geo["UPG"],
+                           UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
+                           num_warps=warps)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 2b. GEMV / small GEMM on tensor cores (2 <= M <= DOT_MAX_M, 16-bit activations)
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_xm, stride_om,
+                     NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr,
+                     WPU: tl.constexpr, UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr,
+                     BM: tl.constexpr, LUT_MASK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codebook16(cb_ptr, NLEV)
+    DT: tl.constexpr = xr_ptr.dtype.element_ty
+    BK: tl.constexpr = UPG_P * PER_P
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rm = pid_m * BM + tl.arange(0, BM)
+    mmask = rm < M
+    ru = tl.arange(0, UPG_P)
+    col = tl.arange(0, BK)
+    if PER == PER_P:
+        kin = col
+        xmask = mmask[None, :]
+    else:
+        kin = (col // PER_P) * PER + col % PER_P
+        xmask = ((col % PER_P < PER) & (kin < G))[:, None] & mmask[None, :]
+    wmask = nmask[:, None] & (ru < UPG)[None, :]
+    xptrs = xr_ptr + rm[None, :] * stride_xm + kin[:, None]
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    g = 0
+    while g < NG:
+        unit_off = (rn[:, None] * NG + g) * UPG + ru[None, :]
+        w0, w1, w2 = _load_units(pk_ptr, unit_off, wmask, WPU)
+        xt = tl.load(xptrs + g * G, mask=xmask, other=0.0)
+        w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, DT, LUT_MASK, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+        w = tl.reshape(w, [BN, BK])
+        part = tl.dot(w, xt)
+        nr = tl.load(nrm_ptr + rn * NG + g, mask=nmask, other=0.0)
+        acc += part * nr[:, None]
+        g += 1
+    optr = out_ptr + rm[None, :] * stride_om + rn[:, None]
+    tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+
+
+def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
+    """(BN, num_warps, num_stages) for the tensor-core GEMV, from the weight shape only.
+
+    One stage: software pipelining would route every codebook lookup through shared memory."""
+    cfg = _DOT_OVERRIDE.get((n, ng * g, n_levels, g))
+    if cfg is not None:
+        return cfg
+    geo = unit_geometry(n_levels, g)
+    bk = geo["UPG_P"] * geo["PER_P"]
+    bn = min(64 if n >= 8192 else 32, 8192 // bk)
+    return max(16, bn), 4, 1
+
+
+def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
+             group_size: int, out_dtype: torch.dtype, config=None, block_m: int = 16) -> torch.Tensor:
+    """`(M, n_groups*G)` rotated activations (bf16/fp16; float32 in the interpreter) times the packed
+    weight on the tensor cores -> `(M, rows)` in out_dtype."""
+    m = x_rot.shape[0]
+    n, ng = norms.shape
+    n_levels = codebook.numel()
+    geo = unit_geometry(n_levels, group_size)
+    bn, warps, stages, lut = _with_mask(config or _dot_config(n, ng, n_levels, group_size), n_levels)
+    out = torch.empty(m, n, dtype=out_dtype, device=x_rot.device)
+    if m == 0 or n == 0:
+        return out
+    pk = _packed_view(packed, geo["WPU"])
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
+    _gemv_dot_kernel[grid](x_rot, pk, norms, codebook, out, m, n, ng, x_rot.stride(0), out.stride(0),
+                           NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
+                           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, num_warps=warps,
+                           num_stages=stages)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 2c. prefill: rotated-basis weight into a scratch buffer, then cuBLAS
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _dequant_kernel(pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_on,
+                    NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr,
+                    WPU: tl.constexpr, UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr,
+                    LUT_MASK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1)
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codebook16(cb_ptr, NLEV)
+    BK: tl.constexpr = UPG_P * PER_P
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    ru = tl.arange(0, UPG_P)
+    col = tl.arange(0, BK)
+    kin = (col // PER_P) * PER + col % PER_P
+    kvalid = (col % PER_P < PER) & (kin < G)
+    unit_off = (rn[:, None] * NG + g) * UPG + ru[None, :]
+    w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None] & (ru < UPG)[None, :], WPU)
+    w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, tl.float32, LUT_MASK, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+    w = tl.reshape(w, [BN, BK])
+    nr = tl.load(nrm_ptr + rn * NG + g, mask=nmask, other=0.0)
+    w = w * nr[:, None]
+    optr = out_ptr + rn[:, None] * stride_on + (g * G + kin)[None, :]
+    tl.store(optr, w.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & kvalid[None, :])
+
+
+def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """The weight in the rotated basis, `(rows, n_groups*G)` in `dtype` (= `codec.rotated_weight`)."""
+    n, ng = norms.shape
+    n_levels = codebook.numel()
+    geo = unit_geometry(n_levels, group_size)
+    out = torch.empty(n, ng * group_size, dtype=dtype, device=packed.device)
+    if n == 0 or ng == 0:
+        return out
+    pk = _packed_view(packed, geo["WPU"])
+    bn = 32
+    grid = (triton.cdiv(n, bn), ng)
+    _dequant_kernel[grid](pk, norms, codebook, out, n, ng, out.stride(0),
+                          NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
+                          UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=LUT_MASKS[n_levels], num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the op
+# ---------------------------------------------------------------------------
+
+def _interpreting() -> bool:
+    """True when this module's kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(_rotate_kernel).__name__ == "InterpretedFunction"
+
+
+def _packed_view(packed: torch.Tensor, wpu: int) -> torch.Tensor:
+    """The packed bytes as a flat tensor of units' storage: int32 words (2/3/4-bit) or uint8 (ternary)."""
+    if not packed.is_contiguous():
+        packed = packed.contiguous()
+    flat = packed.reshape(-1)
+    if wpu == 0:
+        return flat
+    if flat.storage_offset() % 4:
+        flat = flat.clone()
+    return flat.view(torch.int32)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    t = t if t.dtype == torch.float32 else t.float()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
+           signs1: torch.Tensor, signs2: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """The whole op through the Triton kernels (same contract as `turboquant_hf.ops.turboquant_linear`)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)
+    m = x2.shape[0]
+    norms = _f32(norms)
+    codebook = _f32(codebook)
+    s1, s2 = _f32(signs1), _f32(signs2)
+    n, ng = norms.shape
+    if m == 0:
+        return x.new_empty(*lead, n)
+    dt = x.dtype
+    sixteen = dt in (torch.bfloat16, torch.float16)
+    if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
+        x_rot = rotate(x2, s1, s2, group_size, torch.float32)
+        y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)
+    elif m <= DOT_MAX_M:
+        # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
+        x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt)
+        y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt)
+    else:
+        x_rot = rotate(x2, s1, s2, group_size, dt if sixteen else torch.float32)
+        w = dequantize_rotated(packed, norms, codebook, group_size, x_rot.dtype)
+        y = torch.nn.functional.linear(x_rot, w)
+        if y.dtype != dt:
+            y = y.to(dt)
+    return y.reshape(*lead, n)

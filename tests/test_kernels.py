@@ -1,0 +1,290 @@
+"""Tests of the Triton kernels behind `torch.ops.turboquant.linear` (turboquant_hf.kernels.linear).
+
+On any machine: the kernels run under Triton's interpreter (TRITON_INTERPRET=1)
+on CPU tensors, called through the launcher functions directly, and are
+compared with the plain-torch reference in `turboquant_hf.ops` for every bit
+width (ternary, 2, 3, 4), G = 64 and 128, `in_features` not a multiple of G,
+M = 1 and M >= 17. A private copy of `linear.py` is loaded for that, with
+TRITON_INTERPRET=1 set while it is imported and while these tests run, so the
+real module (compiled kernels, used for CUDA tensors) is left alone.
+
+With CUDA: `test_cuda_op_matches_reference` runs this file as a script in a
+fresh process (no interpreter) that checks `torch.ops.turboquant.linear` on CUDA
+tensors (bf16, fp16, fp32) against the CPU reference, poisoned outputs, a CUDA
+graph capture, and `TurboQuantLinear`. It is skipped where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+# Triton decides at import time whether its own library functions are interpreted: set the flag first.
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if "triton" not in sys.modules and "--cuda-check" not in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton
+except ImportError:  # pragma: no cover - triton is an optional dependency
+    triton = None
+finally:
+    if _PREV_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+
+import pytest
+import torch
+
+# Whether this process can run the interpreter tests (False when an earlier module imported triton).
+_INTERPRETED = triton is not None and type(triton.language.zeros).__name__ == "InterpretedFunction"
+
+from turboquant_hf import codec, ops
+from turboquant_hf import format as fmt
+
+BITS = (fmt.TERNARY, 2, 3, 4)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.double().cpu()
+    b = b.double().cpu()
+    assert torch.isfinite(a).all(), "non-finite output"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _weight(n: int, k: int, bits, g: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    packed, norms = codec.quantize_weight(w, bits, g)
+    nl = fmt.levels_for_bits(bits)
+    s1, s2 = fmt.signs(g)
+    return packed, norms, fmt.codebook(nl, g), s1, s2
+
+
+# ---------------------------------------------------------------------------
+# interpreter tests (CPU)
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def L():
+    """An interpreted copy of turboquant_hf.kernels.linear (TRITON_INTERPRET=1 while loading and testing)."""
+    if triton is None:
+        pytest.skip("triton is not installed")
+    if not _INTERPRETED:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: covered by test_interpreter_in_subprocess")
+    import turboquant_hf.kernels as kpkg
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        path = os.path.join(os.path.dirname(kpkg.__file__), "linear.py")
+        spec = importlib.util.spec_from_file_location("turboquant_hf.kernels._linear_interpreted", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # Triton's interpreter resolves helpers through the module
+        spec.loader.exec_module(mod)
+        assert mod._interpreting()
+        yield mod
+    finally:
+        sys.modules.pop("turboquant_hf.kernels._linear_interpreted", None)
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.mark.parametrize("g", [64, 128])
+def test_rotate(L, g):
+    k = 200  # not a multiple of G
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    s1, s2 = fmt.signs(g)
+    got = L.rotate(x, s1, s2, g, torch.float32)
+    ref = ops.rotate_activations(x, s1, s2, g)
+    assert got.shape == ref.shape
+    assert _rel(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("g", [64, 128])
+def test_kernels_match_reference(L, bits, g):
+    n, k = 20, 330  # rows not a multiple of BN, in_features not a multiple of G (n_groups 6 / 3)
+    packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=int(10 * float(bits)) + g)
+    ng = norms.shape[1]
+
+    # dequantization to the rotated basis is exact
+    assert torch.equal(L.dequantize_rotated(packed, norms, cb, g, torch.float32), codec.rotated_weight(packed, norms, cb, g))
+
+    gen = torch.Generator().manual_seed(7)
+    for m in (1, 17):
+        x = torch.randn(m, k, generator=gen)
+        ref = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
+        x_rot = L.rotate(x, s1, s2, g, torch.float32)
+        # FMA GEMV (the M=1 path): default config, and one with partial row blocks and partial group steps
+        if m == 1:
+            assert ng % 4 != 0 and n % 8 != 0
+            # the default mixes codebook loads and select trees (2-bit: selects only); the last field of a
+            # config says which index numbers use a load: here all of them
+            for cfg in (None, (8, 4, 2, 0xFFFFFFFF)):
+                y = L.gemv_fma(x_rot, packed, norms, cb, g, torch.float32, config=cfg)
+                assert _rel(y, ref) < 1e-5, (m, cfg)
+        # tensor-core GEMV (float32 operands in the interpreter); M=17 takes two M tiles
+        for cfg in ((16, 4, 1),) if m > 1 else ((16, 4, 1), (16, 4, 1, 0xFFFFFFFF)):
+            y = L.gemv_dot(x_rot, packed, norms, cb, g, torch.float32, config=cfg)
+            assert _rel(y, ref) < 1e-5, (m, cfg)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_op_paths(L, bits, dtype):
+    """The whole op (`linear`) on every path: M=1 (FMA), M=5 (tensor cores for 16-bit, FMA for fp32),
+    M=17 (dequantize + matmul), with 3-D activations."""
+    g, n, k = 64, 24, 200
+    packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=3)
+    gen = torch.Generator().manual_seed(11)
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    for lead in ((1,), (5,), (1, 17)):
+        x = torch.randn(*lead, k, generator=gen).to(dtype)
+        ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
+        y = L.linear(x, packed, norms, cb, s1, s2, g, k)
+        assert y.dtype == dtype and y.shape == (*lead, n)
+        assert _rel(y, ref) < tol, (lead, _rel(y, ref))
+
+
+def test_unit_geometry_covers_groups(L):
+    for nl in (3, 4, 8, 16):
+        for g in fmt.GROUP_SIZES:
+            geo = L.unit_geometry(nl, g)
+            bpg = fmt.bytes_per_group(nl, g)
+            if nl == 3:
+                assert geo["UPG"] == bpg and geo["PER"] * bpg >= g
+            else:
+                assert geo["UPG"] * geo["PER"] == g and geo["UPG"] * geo["WPU"] * 4 == bpg
+
+
+def test_registration():
+    import turboquant_hf.kernels as kpkg
+
+    if importlib.util.find_spec("triton") is not None and os.environ.get("TURBOQUANT_DISABLE_TRITON", "0") in ("", "0"):
+        assert kpkg.registered()
+    # CPU tensors always run the reference
+    packed, norms, cb, s1, s2 = _weight(8, 64, 3, 64, seed=0)
+    x = torch.randn(2, 64)
+    y = torch.ops.turboquant.linear(x, packed, norms, cb, s1, s2, 64, 64)
+    assert torch.allclose(y, ops.turboquant_linear(x, packed, norms, cb, s1, s2, 64, 64))
+
+
+@pytest.mark.skipif(triton is None or _INTERPRETED, reason="the interpreter tests ran in this process")
+def test_interpreter_in_subprocess():
+    """When another test module imported triton first (transformers does), rerun the interpreter tests in a
+    fresh process, where this module sets TRITON_INTERPRET=1 before triton is imported."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider",
+                           "-k", "not cuda and not subprocess"], env=env, capture_output=True, text=True, timeout=1800,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(proc.stdout[-5000:])
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------
+# CUDA (real kernels, fresh process)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_op_matches_reference():
+    """Real kernels on CUDA: one fresh process per bit width, in parallel (compiling dominates)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TURBOQUANT_DISABLE_TRITON")}
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--cuda-check", str(b)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for b in BITS]
+    failed = []
+    for b, proc in zip(BITS, procs):
+        out, _ = proc.communicate(timeout=1800)
+        print(out[-20000:])
+        if proc.returncode != 0:
+            failed.append((b, out[-3000:]))
+    assert not failed, failed
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Leave NaN-filled blocks in the caching allocator so that an output nobody writes shows up as NaN."""
+    blocks = [torch.full((nbytes // 4,), float("nan"), device="cuda") for _ in range(4)]
+    del blocks
+
+
+def _cuda_check(bits) -> int:
+    from turboquant_hf import kernels
+
+    assert kernels.registered(), "Triton kernels are not registered for CUDA"
+    failures = 0
+    dev = "cuda"
+    torch.manual_seed(0)
+    tol = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+    # (rows, in_features): in not a multiple of G, rows not a multiple of any block
+    for g in fmt.GROUP_SIZES:
+        shapes = [(200, 330), (1000, 1056)] + ([(4096, 512)] if g == 128 else [])
+        for n, k in shapes:
+            packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=n + k + g)
+            pk_d, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (packed, norms, cb, s1, s2))
+            for m in (1, 2, 16, 17, 100):
+                x = torch.randn(m, k)
+                dtypes = (torch.bfloat16, torch.float16, torch.float32) if g == 128 else (torch.bfloat16,)
+                for dt in dtypes:
+                    if dt == torch.float32 and m not in (1, 2, 100):
+                        continue
+                    xd = x.to(dt)
+                    refd = ops.turboquant_linear(xd.float(), packed, norms, cb, s1, s2, g, k)
+                    _poison_allocator(4 * m * n * 4)
+                    y = torch.ops.turboquant.linear(xd.to(dev), pk_d, nr_d, cb_d, s1_d, s2_d, g, k)
+                    err = _rel(y, refd) if torch.isfinite(y).all() else float("nan")
+                    ok = y.dtype == dt and y.shape == (m, n) and err < tol[dt]
+                    failures += not ok
+                    if not ok or m in (1, 16):
+                        print(f"{'ok  ' if ok else 'FAIL'} bits={bits} G={g} {n}x{k} M={m} {str(dt)[6:]} rel_err={err:.2e}")
+    if bits != 3:
+        print(f"cuda check bits={bits}: {failures} failure(s)")
+        return failures
+    # CUDA graph capture of the decode paths (M=1 FMA, M=16 tensor cores)
+    packed, norms, cb, s1, s2 = _weight(1024, 2048, 3, 128, seed=5)
+    args = [t.to(dev) for t in (packed, norms, cb, s1, s2)]
+    for m in (1, 16):
+        static_x = torch.randn(m, 2048, device=dev, dtype=torch.bfloat16)
+        torch.ops.turboquant.linear(static_x, *args, 128, 2048)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = torch.ops.turboquant.linear(static_x, *args, 128, 2048)
+        for _ in range(2):
+            xn = torch.randn(m, 2048, dtype=torch.bfloat16)
+            static_x.copy_(xn.to(dev))
+            graph.replay()
+            torch.cuda.synchronize()
+            err = _rel(static_y, ops.turboquant_linear(xn.float(), packed, norms, cb, s1, s2, 128, 2048))
+            ok = err < 1e-2
+            failures += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} CUDA graph M={m} rel_err={err:.2e}")
+    # the module on CUDA, 3-D input, bias
+    from turboquant_hf.modules import TurboQuantLinear, quantize_linear_
+
+    lin = TurboQuantLinear(300, 257, bias=True, bits=3, group_size=128, dtype=torch.bfloat16)
+    w = torch.randn(257, 300)
+    quantize_linear_(lin, w)
+    with torch.no_grad():
+        lin.bias.normal_()
+    x = torch.randn(2, 3, 300, dtype=torch.bfloat16)
+    ref = lin(x)  # CPU reference
+    lin = lin.to(dev)
+    y = lin(x.to(dev))
+    err = _rel(y, ref)
+    ok = err < 1e-2 and y.shape == (2, 3, 257) and y.dtype == torch.bfloat16
+    failures += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} TurboQuantLinear 3-D input rel_err={err:.2e}")
+    print(f"cuda check: {failures} failure(s)")
+    return failures
+
+
+if __name__ == "__main__":
+    if "--cuda-check" in sys.argv:
+        b = sys.argv[sys.argv.index("--cuda-check") + 1]
+        sys.exit(1 if _cuda_check(fmt.check_bits(float(b) if "." in b else int(b))) else 0)
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
