@@ -129,6 +129,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
         self.modules_to_not_convert = None
         replace_linear_modules(model, linear_plan, awaiting_weights=not self.pre_quantized)
         replace_experts_modules(model, experts_plan, awaiting_weights=not self.pre_quantized)
+        if not self.pre_quantized:
+            _resolve_placeholders_while_loading(model)
         model._turboquant_original_model = getattr(model.config, "_name_or_path", None)
 
     def _skip_patterns(self, model) -> list[str]:
@@ -261,6 +263,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
                         raise ckpt.CheckpointError(
                             f"{name}.{attr}: expected shape {shape}, got {tuple(t.shape)} on {t.device}"
                         )
+        model.__dict__.pop("get_parameter_or_buffer", None)
         self._restore_requested_dtype(model)
         self._dequantize_into_parameters(model)
         _drop_expert_converters_for_saving(model)
@@ -312,6 +315,27 @@ class TurboQuantHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _resolve_placeholders_while_loading(model) -> None:
+    """While quantizing on the fly, the state dict advertises each replaced tensor (`q_proj.weight`) as a meta
+    placeholder; transformers' loader also looks such names up (device-map sizing, allocator warm-up), so
+    answer those look-ups with the same placeholder until loading is over."""
+    original = model.get_parameter_or_buffer
+
+    def get_parameter_or_buffer(self, target: str):
+        try:
+            return original(target)
+        except AttributeError:
+            try:
+                sub = self.get_submodule(target)
+            except AttributeError:
+                sub = None
+            if isinstance(sub, TurboQuantWeight) and sub.awaiting_dtype is not None:
+                return torch.empty(sub.source_shape, dtype=sub.awaiting_dtype, device="meta")
+            raise
+
+    model.get_parameter_or_buffer = types.MethodType(get_parameter_or_buffer, model)
 
 
 def checkpoint_to_model_keys(model, keys, meta=None) -> dict[str, str]:
