@@ -8,9 +8,13 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["turboquant_hf", "turboquant_hf.kernels"],
-    package_dir={"turboquant_hf": "turboquant_hf", "turboquant_hf.kernels": "kernels"},
-    package_data={"turboquant_hf": ["model_cards/*.jinja"]},
+    packages=["turboquant_hf", "turboquant_hf.kernels", "turboquant_hf.model_cards"],
+    package_dir={
+        "turboquant_hf": "turboquant_hf",
+        "turboquant_hf.kernels": "kernels",
+        "turboquant_hf.model_cards": "model_cards",
+    },
+    package_data={"turboquant_hf.model_cards": ["*.jinja"]},
     install_requires=[
         "torch>=2.4",
         "transformers>=5.17,<6",
@@ -18,6 +22,9 @@ setup(
         "safetensors>=0.4",
         "huggingface_hub>=1.0",
         "numpy",
+        "jinja2",
+        "tqdm",
+        "pyyaml",
     ],
     extras_require={
         "gpu": ["triton>=3.2"],
@@ -27,7 +34,9 @@ setup(
             "scipy",
             # the independent reference implementation of the format (pure Python, runs on CPU)
             "turboquant-plus-vllm==0.13.12",
+            # the Triton kernels' tests run under TRITON_INTERPRET=1 on CPU
+            "triton>=3.2",
         ],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["turboquant-hf = turboquant_hf.cli:main"]},
 )

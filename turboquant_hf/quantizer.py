@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import types
 import warnings
 
@@ -417,64 +416,29 @@ def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: boo
     """transformers' save_pretrained, then tq_config.json and (unless `model_card=False`) the model card README.md.
 
     `base_model`: the Hub id of the model this was quantized from, for the card (default: tq_config's
-    original_model when it is a Hub id). With `push_to_hub=True` the upload happens after the card is written,
-    and `model.push_to_hub(...)` keeps this card instead of transformers' generic one.
+    original_model when it is a Hub id). With `push_to_hub=True` the folder is uploaded after the card is
+    written, so the Hub gets this card and not transformers' generic one.
     """
     push = kwargs.pop("push_to_hub", False)
+    tags = kwargs.pop("tags", None)
     hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
-    is_main = kwargs.get("is_main_process", True)
-    if not is_main or os.path.isfile(save_directory):
+    if not kwargs.get("is_main_process", True) or os.path.isfile(save_directory):
         return result
     path = os.path.join(save_directory, fmt.TQ_CONFIG_NAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open(path + ".tmp", "w") as f:
         json.dump(describe_quantized_model(self, save_directory), f, indent=2)
-    os.replace(tmp, path)
-    if not model_card and not push:
-        return result
+    os.replace(path + ".tmp", path)
+    repo_id = None
+    if push:
+        from huggingface_hub import HfApi
 
-    from . import card as tq_card
-
-    # transformers' push_to_hub saves into a temporary folder, then overwrites README.md with the card it loaded
-    # or made before saving: give that ModelCard object our text (plus the tags push_to_hub was asked to add).
-    pushing = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "push_to_hub" and isinstance(frame.f_locals.get("model_card"), ModelCard) \
-                and os.path.abspath(str(frame.f_locals.get("tmp_dir"))) == os.path.abspath(str(save_directory)):
-            pushing = frame.f_locals
-            break
-        frame = frame.f_back
-    repo_id = (pushing or {}).get("repo_id") or hub_kwargs.get("repo_id")
-    if push and not repo_id:
-        repo_id = os.path.basename(os.path.normpath(str(save_directory)))
-    try:
-        build_path = os.path.join(save_directory, tq_card.BUILD_NAME)
-        with open(build_path + ".tmp", "w") as f:
-            json.dump(tq_card.build_record(base_model=base_model,
-                                           source=getattr(self, "_turboquant_original_model", None)), f, indent=2)
-        os.replace(build_path + ".tmp", build_path)
-        if push:
-            from huggingface_hub import HfApi
-
-            api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
-            repo_id = api.create_repo(repo_id, private=hub_kwargs.get("private"), token=kwargs.get("token"),
-                                      exist_ok=True).repo_id
-        text = tq_card.render_card(str(save_directory), repo_id=repo_id, base_model=base_model) if model_card else None
-    except Exception as e:  # the weights are saved; a card that cannot be rendered must not lose them
-        warnings.warn(f"TurboQuant: saved the model but could not write its model card: {e}")
-        return result
-    if text is not None:
-        with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as f:
-            f.write(text)
-    if pushing is not None and text is not None:
-        generic = pushing["model_card"]
-        ours = ModelCard(text)
-        extra = [t for t in (pushing.get("tags") or []) if t not in (ours.data.tags or [])]
-        if extra:
-            ours.data.tags = list(ours.data.tags or []) + extra
-        generic.content = ours.content
+        api = HfApi()
+        repo_id = hub_kwargs.get("repo_id") or os.path.basename(os.path.normpath(str(save_directory)))
+        repo_id = api.create_repo(repo_id, private=hub_kwargs.get("private"), token=kwargs.get("token"),
+                                  exist_ok=True).repo_id
+    if model_card:
+        _write_card(self, save_directory, repo_id=repo_id, base_model=base_model, tags=tags)
     if push:
         api.upload_folder(folder_path=str(save_directory), repo_id=repo_id, token=kwargs.get("token"),
                           commit_message=hub_kwargs.get("commit_message") or "Upload TurboQuant model",
@@ -482,6 +446,49 @@ def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: boo
     return result
 
 
+def _write_card(model, save_directory, repo_id=None, base_model=None, tags=None) -> None:
+    from . import card as tq_card
+
+    try:
+        build_path = os.path.join(save_directory, tq_card.BUILD_NAME)
+        with open(build_path + ".tmp", "w") as f:
+            json.dump(tq_card.build_record(base_model=base_model,
+                                           source=getattr(model, "_turboquant_original_model", None)), f, indent=2)
+        os.replace(build_path + ".tmp", build_path)
+        text = tq_card.render_card(str(save_directory), repo_id=repo_id, base_model=base_model)
+        if tags:
+            card = ModelCard(text)
+            card.data.tags = list(card.data.tags or []) + [t for t in tags if t not in (card.data.tags or [])]
+            text = str(card)
+    except Exception as e:  # the weights are saved; a card that cannot be rendered must not lose them
+        warnings.warn(f"TurboQuant: saved the model but could not write its model card: {e}")
+        return
+    with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
+                 token=None, create_pr: bool = False, revision: str | None = None, tags=None,
+                 base_model=None, **save_kwargs):
+    """Push weights, config, tq_config.json and the TurboQuant model card in one commit.
+
+    transformers' own push_to_hub would replace the README with its generic card; this one uploads the
+    folder that `save_pretrained` wrote, card included.
+    """
+    import tempfile
+
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as tmp:
+        self.save_pretrained(tmp, model_card=False, **save_kwargs)
+        _write_card(self, tmp, repo_id=repo_id, base_model=base_model, tags=tags)
+        return api.upload_folder(folder_path=tmp, repo_id=repo_id, token=token, revision=revision,
+                                 create_pr=create_pr, commit_message=commit_message or "Upload TurboQuant model")
+
+
 def _install_save_hook(model) -> None:
-    # transformers has no save hook for quantizers; an instance attribute keeps the class (and its name) intact.
+    # transformers has no save hook for quantizers; instance attributes keep the class (and its name) intact.
     model.save_pretrained = types.MethodType(_save_pretrained_with_tq_config, model)
+    model.push_to_hub = types.MethodType(_push_to_hub, model)

@@ -1,0 +1,309 @@
+"""The `turboquant-hf` command line: quantize, card, plan (headers only), bad input and exit codes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from turboquant_hf import cli
+
+# ---------------------------------------------------------------------------------------------------------------
+# A Qwen3.6-35B-A3B-shaped folder: its config.json and safetensors files whose headers are real and whose data
+# is a hole (the files are extended with truncate(), sparse on disk): `plan` reads headers only.
+QWEN36_TEXT = dict(
+    model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, vocab_size=248320, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    full_attention_interval=4, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+QWEN36_CONFIG = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "text_config": dict(QWEN36_TEXT, layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                                  for i in range(40)]),
+    "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "out_hidden_size": 2048},
+    "tie_word_embeddings": False, "dtype": "bfloat16",
+}
+
+
+def qwen36_tensors() -> tuple[dict, set]:
+    """{name: shape} of the checkpoint, and the names TurboQuant quantizes (Linear weights and fused experts)."""
+    t, linear = {}, set()
+    p = "model.language_model."
+
+    def lin(name, shape):
+        t[name] = shape
+        linear.add(name)
+
+    t[p + "embed_tokens.weight"] = (248320, 2048)
+    t[p + "norm.weight"] = (2048,)
+    t["lm_head.weight"] = (248320, 2048)  # kept in full precision by default
+    for i in range(40):
+        L = f"{p}layers.{i}."
+        t[L + "input_layernorm.weight"] = (2048,)
+        t[L + "post_attention_layernorm.weight"] = (2048,)
+        if (i + 1) % 4 == 0:
+            lin(L + "self_attn.q_proj.weight", (16 * 256 * 2, 2048))  # query and output gate
+            lin(L + "self_attn.k_proj.weight", (2 * 256, 2048))
+            lin(L + "self_attn.v_proj.weight", (2 * 256, 2048))
+            lin(L + "self_attn.o_proj.weight", (2048, 16 * 256))
+            t[L + "self_attn.q_norm.weight"] = (256,)
+            t[L + "self_attn.k_norm.weight"] = (256,)
+        else:
+            lin(L + "linear_attn.in_proj_qkv.weight", (2 * 16 * 128 + 32 * 128, 2048))
+            lin(L + "linear_attn.in_proj_z.weight", (32 * 128, 2048))
+            lin(L + "linear_attn.in_proj_b.weight", (32, 2048))
+            lin(L + "linear_attn.in_proj_a.weight", (32, 2048))
+            lin(L + "linear_attn.out_proj.weight", (2048, 32 * 128))
+            t[L + "linear_attn.conv1d.weight"] = (2 * 16 * 128 + 32 * 128, 1, 4)
+            t[L + "linear_attn.A_log"] = (32,)
+            t[L + "linear_attn.dt_bias"] = (32,)
+            t[L + "linear_attn.norm.weight"] = (128,)
+        t[L + "mlp.gate.weight"] = (256, 2048)  # the router: full precision by default
+        lin(L + "mlp.experts.gate_up_proj", (256, 2 * 512, 2048))
+        lin(L + "mlp.experts.down_proj", (256, 2048, 512))
+        lin(L + "mlp.shared_expert.gate_proj.weight", (512, 2048))
+        lin(L + "mlp.shared_expert.up_proj.weight", (512, 2048))
+        lin(L + "mlp.shared_expert.down_proj.weight", (2048, 512))
+        t[L + "mlp.shared_expert_gate.weight"] = (1, 2048)
+    v = "model.visual."
+    t[v + "patch_embed.proj.weight"] = (1152, 3, 2, 16, 16)
+    for i in range(27):
+        B = f"{v}blocks.{i}."
+        t[B + "attn.qkv.weight"] = (3 * 1152, 1152)
+        t[B + "attn.proj.weight"] = (1152, 1152)
+        t[B + "mlp.linear_fc1.weight"] = (4304, 1152)
+        t[B + "mlp.linear_fc2.weight"] = (1152, 4304)
+        t[B + "norm1.weight"] = (1152,)
+        t[B + "norm2.weight"] = (1152,)
+    t[v + "merger.linear_fc1.weight"] = (4608, 4608)
+    t[v + "merger.linear_fc2.weight"] = (2048, 4608)
+    return t, linear
+
+
+def write_header_only_safetensors(path: str, tensors: dict, dtype: str = "BF16", nbytes: int = 2) -> None:
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        size = math.prod(shape) * nbytes
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)  # a hole, not data
+
+
+@pytest.fixture(scope="module")
+def qwen36_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen36_35b_a3b")
+    tensors, _ = qwen36_tensors()
+    names = list(tensors)
+    shards = [names[i::4] for i in range(4)]
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-00004.safetensors"
+        write_header_only_safetensors(str(d / fname), {n: tensors[n] for n in shard})
+        weight_map.update({n: fname for n in shard})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (d / "config.json").write_text(json.dumps(QWEN36_CONFIG))
+    return str(d)
+
+
+def _expected_weights(bytes_per_group_for) -> int:
+    """Weights in bytes with TurboQuant, counted independently of the package: rows x ceil(in/128) x
+    (bytes per group, norm included) for quantized tensors, bf16 for the rest."""
+    tensors, linear = qwen36_tensors()
+    total = 0
+    for name, shape in tensors.items():
+        if name in linear:
+            rows, in_features = math.prod(shape[:-1]), shape[-1]
+            total += rows * math.ceil(in_features / 128) * bytes_per_group_for(name)
+        else:
+            total += 2 * math.prod(shape)
+    return total
+
+
+def test_qwen36_folder_is_35b_a3b_sized(qwen36_dir):
+    tensors, _ = qwen36_tensors()
+    params = sum(math.prod(s) for s in tensors.values())
+    assert 34.5e9 < params < 36.5e9
+    apparent = sum(os.path.getsize(os.path.join(qwen36_dir, f)) for f in os.listdir(qwen36_dir))
+    assert apparent > 2 * 34.5e9  # bf16 sizes on paper; sparse on disk
+
+
+def test_plan_qwen36_uniform_3bit(qwen36_dir, capsys):
+    assert cli.main(["plan", qwen36_dir, "--bits", "3", "--context", "32768", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_cache_bytes_per_token"] == 20480  # 10 full-attention layers x 2 KV heads x 256 x 2 x 2 bytes
+    assert plan["kv_cache"]["layers"] == 10
+    assert plan["kv_cache_bytes"] == 20480 * 32768
+    assert [t["bits"] for t in plan["tiers"]] == [3]
+    assert plan["weights_bytes"] == _expected_weights(lambda name: 48 + 4)  # 3 bits x 128 / 8, float32 norm
+    _, linear = qwen36_tensors()
+    assert plan["tiers"][0]["tensors"] == len(linear)
+    # 30 GatedDeltaNet layers: a constant recurrent state (32 x 128 x 128) and conv state (8192 x 3), in bf16
+    assert plan["recurrent_state"]["layers"] == 30
+    assert plan["recurrent_state_bytes"] == 30 * (32 * 128 * 128 + 8192 * 3) * 2
+
+
+def test_plan_qwen36_tq3a_tqte(qwen36_dir, capsys):
+    assert cli.main(["plan", qwen36_dir, "--recipe", "tq3a-tqTe"]) == 0
+    text = capsys.readouterr().out
+    assert "KV cache per token (bf16): 20,480 bytes" in text
+    assert "ternary (1.58-bit)" in text and "3-bit" in text
+    assert cli.main(["plan", qwen36_dir, "--recipe", "tq3a-tqTe", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # routed experts ternary (5 trits a byte: ceil(128 / 5) = 26 bytes a group, float16 norm), everything else 3-bit
+    expected = _expected_weights(lambda name: 26 + 2 if ".mlp.experts." in name else 48 + 4)
+    assert plan["weights_bytes"] == expected
+    tiers = {t["bits"]: t for t in plan["tiers"]}
+    assert tiers[1.58]["tensors"] == 80 and tiers[3]["tensors"] == len(qwen36_tensors()[1]) - 80
+    assert plan["weights_bytes"] < json.loads(_plan_json(qwen36_dir, "--bits", "3"))["weights_bytes"]
+
+
+def _plan_json(d, *extra):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(["plan", d, "--json", *extra]) == 0
+    return buf.getvalue()
+
+
+def test_plan_budget_exit_codes(qwen36_dir, capsys):
+    assert cli.main(["plan", qwen36_dir, "--recipe", "tq3a-tqTe", "--context", "131072", "--gpu-gb", "80"]) == 0
+    assert "GPU 80 GB: fits" in capsys.readouterr().out
+    assert cli.main(["plan", qwen36_dir, "--bits", "3", "--gpu-gb", "8", "--json"]) == cli.EXIT_DOES_NOT_FIT
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits_gpu"] is False and plan["max_context_gpu"] == 0
+
+
+def test_plan_per_expert_tensors(tmp_path, capsys):
+    """Checkpoints that store each expert separately (`experts.N.gate_proj.weight`) plan the same way."""
+    config = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 1024}
+    tensors = {"model.embed_tokens.weight": (1000, 256), "model.layers.0.mlp.gate.weight": (4, 256)}
+    for e in range(4):
+        for proj, shape in (("gate_proj", (128, 256)), ("up_proj", (128, 256)), ("down_proj", (256, 128))):
+            tensors[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = shape
+    write_header_only_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cli.main(["plan", str(tmp_path), "--recipe", "tq3-sensitive4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    tiers = {t["bits"]: t["tensors"] for t in plan["tiers"]}
+    assert tiers == {4: 4, 3: 8}  # down_proj is "sensitive" at 4 bits
+    assert plan["kv_cache_bytes_per_token"] == 1 * 2 * 64 * 2 * 2
+    assert plan["full_precision_tensors"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_quantize_writes_a_complete_folder(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "tiny-tq3"
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(out), "--recipe", "tq3-sensitive4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["out"] == str(out)
+    for f in ("config.json", "model.safetensors", "tq_config.json", "README.md", "tokenizer.json",
+              "turboquant_build.json"):
+        assert (out / f).is_file(), f
+    assert sorted(os.listdir(tmp_path)) == ["tiny-tq3"]  # no temporary folder left
+    readme = (out / "README.md").read_text()
+    assert "--recipe tq3-sensitive4" in readme and 'from_pretrained("<your-namespace>/tiny-tq3"' in readme
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["sensitive_bits"] == 4
+    # the output exists now: refuse to overwrite it unless asked
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(out)]) == cli.EXIT_USAGE
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(out), "--bits", "4", "--force"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["tiny-tq3"]
+    # `card` regenerates the README from the folder
+    os.remove(out / "README.md")
+    assert cli.main(["card", str(out)]) == 0
+    assert "4-bit" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("exc, code", [(KeyboardInterrupt, cli.EXIT_INTERRUPTED), (RuntimeError, cli.EXIT_FAILURE)])
+def test_interrupted_quantize_leaves_no_output(exc, code, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """The weights are already saved (in the temporary folder) when the run dies: nothing named --out appears,
+    and the temporary folder is removed."""
+    import transformers
+
+    def boom(*a, **k):
+        raise exc("stopped here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
+    out = tmp_path / "never"
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(out)]) == code
+    assert os.listdir(tmp_path) == []
+    err = capsys.readouterr().err
+    assert ("interrupted" if exc is KeyboardInterrupt else "stopped here") in err
+
+
+def test_bad_input_exit_codes(tiny_llama_dir, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    cases = [
+        (["plan", str(empty)], "no .safetensors"),
+        (["plan", str(tmp_path / "missing")], "neither a local directory nor a Hub repo id"),
+        (["plan", tiny_llama_dir, "--recipe", "tq9"], "unknown recipe 'tq9'; known recipes: tq2"),
+        (["quantize", tiny_llama_dir, "--out", str(tmp_path / "x"), "--recipe", "nope"], "unknown recipe 'nope'"),
+        (["push", tiny_llama_dir, "tester/not-tq"], "not a TurboQuant checkpoint"),
+        (["push", str(tmp_path / "missing"), "tester/x"], "no such directory"),
+        (["card", tiny_llama_dir], "not a TurboQuant checkpoint"),
+        (["eval", tiny_llama_dir, "--base", tiny_llama_dir, "--text", "t.txt"], "not a TurboQuant checkpoint"),
+        (["quantize", tiny_llama_dir, "--out", str(tmp_path / "y"), "--eval", str(tmp_path / "no.txt")], "no such file"),
+        (["plan", tiny_llama_dir, "--bits", "5"], "bits must be one of"),
+        (["plan", tiny_llama_dir, "--config", str(tmp_path / "none.json")], "no such file"),
+        ([], "usage: turboquant-hf"),
+    ]
+    for argv, message in cases:
+        assert cli.main(argv) == cli.EXIT_USAGE, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_help_reads_well(capsys):
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for word in ("quantize", "push", "card", "plan", "eval", "exit codes", "HF_TOKEN"):
+        assert word in text
+    assert cli.main(["plan", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "tq3a-tqTe" in text and "--gpu-gb" in text and "headers" in text
+
+
+def test_console_script(tmp_path):
+    """The installed `turboquant-hf` script runs and its exit code is usable from a shell."""
+    script = shutil.which("turboquant-hf", path=os.path.dirname(sys.executable))
+    assert script, "the turboquant-hf console script is not installed (pip install -e .)"
+    (tmp_path / "config.json").write_text("{}")
+    proc = subprocess.run([script, "plan", str(tmp_path)], capture_output=True, text=True, cwd=str(tmp_path),
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "plan: error:" in proc.stderr and "no .safetensors" in proc.stderr
+
+
+def test_eval_writes_its_numbers_into_the_card(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "tiny-tq4"
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(out), "--bits", "4"]) == 0
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(["the a of to and in is it you that he was for on are with as his they be"] * 20))
+    capsys.readouterr()
+    assert cli.main(["eval", str(out), "--base", tiny_llama_dir, "--text", str(text), "--max-tokens", "300",
+                     "--window", "128", "--write-card", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == 299 and result["window"] == 128 and result["mean_kl"] > 0
+    stored = json.loads((out / "turboquant_eval.json").read_text())
+    assert stored["quantized_perplexity"] == result["quantized_perplexity"]
+    readme = (out / "README.md").read_text()
+    assert f"| perplexity | {result['base_perplexity']:.3f} | {result['quantized_perplexity']:.3f} |" in readme
+    assert "299 predicted tokens of `words.txt`" in readme

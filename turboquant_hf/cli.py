@@ -1,0 +1,711 @@
+"""`turboquant-hf`: quantize, push, card, plan and eval from the command line (`python -m turboquant_hf` too)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # something unexpected went wrong (a bug, or a model transformers cannot load)
+EXIT_USAGE = 2  # bad arguments or bad input (not a checkpoint, unknown recipe, missing files)
+EXIT_HUB = 3  # the Hub refused or failed (authentication, server error, dropped connection)
+EXIT_DOES_NOT_FIT = 4  # `plan --gpu-gb/--ram-gb`: the model does not fit the budget
+EXIT_INTERRUPTED = 130
+
+_EPILOG = """\
+exit codes:
+  0    success
+  1    unexpected failure (the message says what failed)
+  2    bad input: unknown recipe, not a TurboQuant checkpoint, no safetensors, missing file, output exists
+  3    the Hub failed: authentication (401/403), server error (5xx), dropped connection; safe to retry
+  4    plan: the model does not fit the --gpu-gb / --ram-gb budget
+  130  interrupted (no output directory is left behind)
+
+environment: HF_TOKEN (write token for push), HF_ENDPOINT (another Hub), HF_HUB_CACHE.
+"""
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+def _progress(**kw):
+    from tqdm.auto import tqdm
+
+    kw.setdefault("disable", None)  # shown on a terminal, silent in logs and pipes
+    kw.setdefault("file", sys.stderr)
+    return tqdm(**kw)
+
+
+def _say(args, message: str) -> None:
+    if not getattr(args, "json", False) and not getattr(args, "quiet", False):
+        print(message, file=sys.stderr)
+
+
+def _emit(args, result: dict, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(text)
+
+
+def _hub_api():
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=os.environ.get("HF_TOKEN") or None)
+
+
+def _hub_error(exc: BaseException, doing: str, retry: str) -> CliError:
+    """A clear message for a failed Hub call: what failed, why, and what to retry."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    if status in (401, 403):
+        why = (f"the Hub at {endpoint} refused the credentials ({status}); set HF_TOKEN to a token with write "
+               "access (or run `hf auth login`)")
+    elif status is not None and status >= 500:
+        why = f"the Hub at {endpoint} answered {status} (a server error)"
+    elif status is not None:
+        server = str(exc).strip().splitlines()
+        why = f"the Hub at {endpoint} answered {status}: {server[-1] if server else exc}"
+    else:
+        why = f"the connection to {endpoint} failed ({type(exc).__name__}: {str(exc).strip() or 'no answer'})"
+    return CliError(f"{doing} failed: {why}. {retry}", EXIT_HUB)
+
+
+def _is_hub_exception(exc: BaseException) -> bool:
+    """An HTTP error from the Hub, or a network failure from the HTTP client huggingface_hub uses (httpx, its
+    vendored fork, or requests, depending on the version)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, (HfHubHTTPError, ConnectionError, TimeoutError)):
+        return True
+    if any(c.__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests", "urllib3")
+           for c in type(exc).__mro__):
+        return True
+    return isinstance(exc, OSError) and "connect" in str(exc).lower()
+
+
+def _quant_config(args):
+    """The TurboQuantConfig chosen by --recipe / --config / --bits / --group-size."""
+    from .config import TurboQuantConfig
+    from .recipes import get_recipe, recipe_names
+
+    group_size = args.group_size or 128
+    try:
+        if getattr(args, "config", None):
+            if not os.path.isfile(args.config):
+                raise CliError(f"--config {args.config}: no such file")
+            with open(args.config) as f:
+                data = json.load(f)
+            data = data.get("quantization_config", data)
+            if args.group_size:
+                data["group_size"] = args.group_size
+            return TurboQuantConfig(**data), None
+        if args.recipe:
+            if args.recipe not in recipe_names():
+                raise CliError(f"unknown recipe {args.recipe!r}; known recipes: {', '.join(recipe_names())}")
+            overrides = {"bits": args.bits} if args.bits is not None else {}
+            return get_recipe(args.recipe, group_size=group_size, **overrides), args.recipe
+        return TurboQuantConfig(bits=args.bits if args.bits is not None else 3, group_size=group_size), None
+    except ValueError as e:  # an out-of-range setting: TurboQuantConfig names it
+        raise CliError(str(e)) from e
+    except json.JSONDecodeError as e:  # pragma: no cover - subclass of ValueError
+        raise CliError(f"--config {args.config}: not JSON: {e}") from e
+
+
+def _parse_bits(value: str):
+    from . import format as fmt
+
+    try:
+        return fmt.check_bits(float(value) if "." in value else int(value)) if value[0].isdigit() else \
+            fmt.check_bits(value)
+    except (ValueError, IndexError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _command_line(argv) -> str:
+    import shlex
+
+    return "turboquant-hf " + " ".join(shlex.quote(a) for a in argv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantize
+def cmd_quantize(args, argv) -> int:
+    from . import card as tq_card
+
+    cfg, recipe = _quant_config(args)
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and not args.force:
+        raise CliError(f"--out {args.out} already exists; choose another directory or pass --force to replace it")
+    if not os.path.isdir(args.src) and not tq_card.looks_like_repo_id(args.src):
+        raise CliError(f"{args.src}: neither a local directory nor a Hub repo id (namespace/name)")
+    if args.eval and not os.path.isfile(args.eval):
+        raise CliError(f"--eval {args.eval}: no such file")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
+    steps = ["load and quantize", "save", "tokenizer"] + (["eval"] if args.eval else []) + ["card", "finish"]
+    bar = _progress(total=len(steps), desc="quantize", unit="step")
+    try:
+        import torch
+        import turboquant_hf  # noqa: F401  (registers the quantizer)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        bar.set_postfix_str(steps[0])
+        dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+        kw = {"device_map": args.device} if args.device != "cpu" else {}
+        model = AutoModelForCausalLM.from_pretrained(args.src, quantization_config=cfg, dtype=dtype, **kw)
+        if args.base_model:
+            model._turboquant_original_model = args.base_model
+        bar.update()
+        bar.set_postfix_str("save")
+        model.save_pretrained(tmp, model_card=False)
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        try:
+            AutoTokenizer.from_pretrained(args.src).save_pretrained(tmp)
+        except (OSError, ValueError) as e:
+            _say(args, f"note: no tokenizer saved ({e})")
+        bar.update()
+        with open(os.path.join(tmp, tq_card.BUILD_NAME), "w") as f:
+            json.dump(tq_card.build_record(base_model=args.base_model, source=args.src,
+                                           command=_command_line(argv), recipe=recipe), f, indent=2)
+        if args.eval:
+            bar.set_postfix_str("eval")
+            del model
+            _evaluate(tmp, args.src, args.eval, args.max_tokens, args.window, write=True)
+            bar.update()
+        bar.set_postfix_str("card")
+        tq_card.write_card(tmp, base_model=args.base_model, repo_id=args.push_to_hub, name=os.path.basename(out))
+        bar.update()
+        if os.path.exists(out):  # --force
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        bar.update()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    size = tq_card.checkpoint_summary(out)
+    result = {"out": out, "bytes": size["total_bytes"], "base_bytes": size["base_bytes"],
+              "bits_per_weight": size["bits_per_weight"], "quantization_config": cfg.to_dict()}
+    evaluation = os.path.join(out, tq_card.EVAL_NAME)
+    if os.path.isfile(evaluation):
+        with open(evaluation) as f:
+            result["eval"] = json.load(f)
+    if args.push_to_hub:
+        result["push"] = _push(out, args.push_to_hub, args.private, None, args)
+    text = (f"wrote {out}: {tq_card.human_bytes(size['total_bytes'])} (base {tq_card.human_bytes(size['base_bytes'])}),"
+            f" {size['bits_per_weight']} bits per quantized weight")
+    if "eval" in result:
+        e = result["eval"]
+        text += (f"\nperplexity {e['base_perplexity']:.3f} -> {e['quantized_perplexity']:.3f}, mean KL "
+                 f"{e['mean_kl']:.4f} on {e['tokens']} tokens")
+    if "push" in result:
+        text += f"\npushed to {result['push']['url']}"
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# push
+def _push(directory: str, repo_id: str, private: bool, message: str | None, args) -> dict:
+    from huggingface_hub import CommitOperationAdd
+
+    from . import card as tq_card
+
+    try:
+        tq_card.check_checkpoint(directory)
+    except tq_card.CardError as e:
+        raise CliError(f"push: {e}") from e
+    api = _hub_api()
+    retry = (f"Nothing in {directory} was changed; run `turboquant-hf push {directory} {repo_id}` again "
+             "(the upload is a single commit: a failed push leaves the repository as it was).")
+    step = f"creating the repository {repo_id}"
+    bar = _progress(total=3, desc="push", unit="step")
+    try:
+        bar.set_postfix_str("create repo")
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        bar.update()
+        step = f"uploading {directory} to {repo_id}"
+        bar.set_postfix_str("upload")
+        card = tq_card.render_card(directory, repo_id=repo_id).encode("utf-8")
+        ops = [CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card)]
+        for root, dirs, files in os.walk(directory):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in sorted(files):
+                rel = os.path.relpath(os.path.join(root, name), directory).replace(os.sep, "/")
+                if rel == "README.md" or name.startswith(".") or name.endswith(".tmp"):
+                    continue
+                ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(root, name)))
+        info = api.create_commit(repo_id, operations=ops,
+                                 commit_message=message or "Upload TurboQuant checkpoint with turboquant-hf")
+        bar.update()
+        step = f"checking the upload of {repo_id}"
+        bar.set_postfix_str("check")
+        files = {s.rfilename for s in (api.model_info(repo_id).siblings or [])}
+        missing = sorted(op.path_in_repo for op in ops if op.path_in_repo not in files)
+        if missing:
+            raise CliError(f"push: the Hub lists no {', '.join(missing)} after the commit. {retry}", EXIT_HUB)
+        bar.update()
+    except CliError:
+        raise
+    except Exception as e:
+        if _is_hub_exception(e):
+            raise _hub_error(e, step, retry) from e
+        raise
+    finally:
+        bar.close()
+    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    return {"repo_id": repo_id, "url": f"{endpoint}/{repo_id}", "commit": getattr(info, "oid", None),
+            "files": len(ops)}
+
+
+def cmd_push(args, argv) -> int:
+    if not os.path.isdir(args.dir):
+        raise CliError(f"push: {args.dir}: no such directory")
+    result = _push(args.dir, args.repo, args.private, args.message, args)
+    _emit(args, result, f"pushed {result['files']} files to {result['url']}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# card
+def cmd_card(args, argv) -> int:
+    from . import card as tq_card
+
+    try:
+        if args.stdout:
+            text = tq_card.render_card(args.dir, repo_id=args.repo_id, base_model=args.base_model)
+            sys.stdout.write(text)
+            return EXIT_OK
+        path = tq_card.write_card(args.dir, repo_id=args.repo_id, base_model=args.base_model)
+    except tq_card.CardError as e:
+        raise CliError(f"card: {e}") from e
+    _emit(args, {"path": path}, f"wrote {path}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plan
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+def _plan_sources(src: str):
+    """(config dict, {tensor name: (dtype, shape)}, where) from a local folder or a Hub repo, headers only."""
+    from . import card as tq_card
+    from . import checkpoint as ckpt
+
+    if os.path.isdir(src):
+        cfg_path = os.path.join(src, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise CliError(f"plan: {src} has no config.json")
+        files = tq_card.safetensors_files(src)
+        if not files:
+            raise CliError(f"plan: {src} holds no .safetensors files (plan reads the tensor shapes from their headers)")
+        with open(cfg_path) as f:
+            config = json.load(f)
+        tensors = {}
+        for path in _progress(iterable=files, desc="read headers", unit="file"):
+            try:
+                for name, info in ckpt.read_safetensors_header(path).items():
+                    tensors[name] = (info["dtype"], tuple(info["shape"]))
+            except ckpt.CheckpointError as e:
+                raise CliError(f"plan: {e}") from e
+        return config, tensors, src
+    if not tq_card.looks_like_repo_id(src):
+        raise CliError(f"plan: {src} is neither a local directory nor a Hub repo id (namespace/name)")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, NotASafetensorsRepoError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    api = _hub_api()
+    step = f"reading config.json of {src}"
+    try:
+        path = hf_hub_download(src, "config.json", endpoint=os.environ.get("HF_ENDPOINT") or None)
+        with open(path) as f:
+            config = json.load(f)
+        step = f"reading the safetensors headers of {src}"
+        meta = api.get_safetensors_metadata(src)
+    except NotASafetensorsRepoError as e:
+        raise CliError(f"plan: {src} has no safetensors weights ({e})") from e
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
+        raise CliError(f"plan: {step} failed: {type(e).__name__} ({str(e).strip().splitlines()[0]})") from e
+    except Exception as e:
+        if _is_hub_exception(e):
+            raise _hub_error(e, step, f"Retry `turboquant-hf plan {src}`.") from e
+        raise
+    tensors = {}
+    for fm in meta.files_metadata.values():
+        for name, info in fm.tensors.items():
+            tensors[name] = (info.dtype, tuple(info.shape))
+    return config, tensors, f"{api.endpoint}/{src}"
+
+
+def _is_quantizable(name: str, shape: tuple, skip: list[str]) -> tuple[str, int, int] | None:
+    """(module name, rows, in_features) when `name` is a weight TurboQuant would quantize, else None."""
+    from .quantizer import _matches
+
+    lname = name.lower()
+    if len(shape) == 3 and (name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj")):
+        module = name
+        rows, in_features = shape[0] * shape[1], shape[2]
+    elif len(shape) == 2 and name.endswith(".weight"):
+        module = name[: -len(".weight")]
+        rows, in_features = shape
+        parts = module.lower().split(".")
+        if any("embed" in p or "norm" in p or p in ("conv1d", "wte", "wpe") for p in parts) or "conv" in parts[-1]:
+            return None
+    else:
+        return None
+    if "embed" in lname and len(shape) == 2:
+        return None
+    if _matches(module, skip):
+        return None
+    return module, rows, in_features
+
+
+def _norm_bytes(n_levels: int) -> int:
+    """Bytes of one group norm as written for new tensors (float16 for the ternary tier, float32 otherwise)."""
+    from . import format as fmt
+
+    dtype = getattr(fmt, "default_norms_dtype", None)
+    return dtype(n_levels).itemsize if dtype is not None else 4
+
+
+def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", context: int | None = None,
+                batch: int = 1) -> dict[str, Any]:
+    """The memory projection of `tensors` quantized with `cfg`: weights per tier (exact), KV cache, recurrent state."""
+    from . import card as tq_card
+    from . import checkpoint as ckpt
+    from . import format as fmt
+    from .config import DEFAULT_MODULES_TO_NOT_CONVERT
+
+    skip = list(DEFAULT_MODULES_TO_NOT_CONVERT) if cfg.modules_to_not_convert is None else cfg.modules_to_not_convert
+    G = cfg.group_size
+    tiers: dict[Any, dict] = {}
+    full_bytes = base_bytes = full_count = 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = ckpt._DTYPE_BYTES.get(dtype, 2) * math.prod(shape)
+        base_bytes += nbytes
+        q = _is_quantizable(name, shape, skip)
+        if q is None:
+            full_bytes += nbytes
+            full_count += 1
+            continue
+        module, rows, in_features = q
+        bits = cfg.bits_for(module)
+        n_levels = fmt.levels_for_bits(bits)
+        packed = rows * -(-in_features // G) * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))
+        t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "base_bytes": 0})
+        t["tensors"] += 1
+        t["params"] += rows * in_features
+        t["bytes"] += packed
+        t["base_bytes"] += nbytes
+    q_bytes = sum(t["bytes"] for t in tiers.values())
+    q_params = sum(t["params"] for t in tiers.values())
+    weights = q_bytes + full_bytes
+    kv = tq_card.kv_cache_per_token(config, _DTYPE_BYTES[kv_dtype])
+    rec = tq_card.recurrent_state_bytes(config, _DTYPE_BYTES[kv_dtype])
+    tc = tq_card.text_config(config)
+    context = context or int(tc.get("max_position_embeddings") or 4096)
+    kv_total = kv["bytes"] * context * batch
+    total = weights + kv_total + rec["bytes"] * batch
+    tier_list = [dict(t, label=tq_card.bits_label(t["bits"]), bits_per_weight=round(8 * t["bytes"] / t["params"], 3))
+                 for _, t in sorted(tiers.items(), key=lambda kv_: -kv_[0])]
+    return {
+        "quantization_config": cfg.to_dict(), "tiers": tier_list, "quantized_bytes": q_bytes,
+        "quantized_params": q_params, "full_precision_bytes": full_bytes, "full_precision_tensors": full_count,
+        "weights_bytes": weights, "base_weights_bytes": base_bytes,
+        "bits_per_weight": round(8 * q_bytes / q_params, 3) if q_params else None,
+        "kv_dtype": kv_dtype, "kv_cache_bytes_per_token": kv["bytes"], "kv_cache": kv,
+        "recurrent_state_bytes": rec["bytes"], "recurrent_state": rec, "context": context, "batch": batch,
+        "kv_cache_bytes": kv_total, "total_bytes": total,
+    }
+
+
+def cmd_plan(args, argv) -> int:
+    from . import card as tq_card
+
+    cfg, recipe = _quant_config(args)
+    config, tensors, where = _plan_sources(args.src)
+    plan = plan_memory(config, tensors, cfg, args.kv_dtype, args.context, args.batch)
+    plan["source"] = where
+    plan["recipe"] = recipe
+    h = tq_card.human_bytes
+    budget_ok = True
+    for key, gb in (("gpu", args.gpu_gb), ("ram", args.ram_gb)):
+        if gb is not None:
+            fits = plan["total_bytes"] <= gb * 1e9
+            plan[f"fits_{key}"] = fits
+            plan[f"{key}_budget_bytes"] = int(gb * 1e9)
+            # the longest context that fits beside the weights
+            per_token = plan["kv_cache_bytes_per_token"] * args.batch
+            room = gb * 1e9 - plan["weights_bytes"] - plan["recurrent_state_bytes"] * args.batch
+            longest = int(room // per_token) if per_token and room > 0 else 0
+            limit = int(tq_card.text_config(config).get("max_position_embeddings") or 0)
+            plan[f"max_context_{key}"] = min(longest, limit) if limit else longest
+            budget_ok = budget_ok and fits
+    name = recipe or f"{cfg.bits}-bit"
+    lines = [f"{where}: {name}, group size {cfg.group_size}", "",
+             f"{'tier':<22}{'tensors':>9}{'weights':>10}{'size':>12}{'bits/weight':>13}"]
+    for t in plan["tiers"]:
+        lines.append(f"{t['label']:<22}{t['tensors']:>9}{tq_card.human_count(t['params']):>10}{h(t['bytes']):>12}"
+                     f"{t['bits_per_weight']:>13}")
+    lines.append(f"{'full precision':<22}{plan['full_precision_tensors']:>9}{'':>10}{h(plan['full_precision_bytes']):>12}")
+    lines += [
+        f"{'weights':<22}{'':>19}{h(plan['weights_bytes']):>12}   (base {h(plan['base_weights_bytes'])})",
+        "",
+        f"KV cache per token ({args.kv_dtype}): {plan['kv_cache_bytes_per_token']:,} bytes "
+        f"({plan['kv_cache']['layers']} full-attention layers x {plan['kv_cache']['kv_heads']} KV heads x "
+        f"{plan['kv_cache']['head_dim']} x 2 x {plan['kv_cache']['dtype_bytes']} bytes)",
+    ]
+    if plan["recurrent_state_bytes"]:
+        lines.append(f"recurrent state ({plan['recurrent_state']['layers']} linear-attention layers): "
+                     f"{h(plan['recurrent_state_bytes'])} per sequence, constant")
+    lines.append(f"at {plan['context']:,} tokens x batch {args.batch}: KV {h(plan['kv_cache_bytes'])}, "
+                 f"total {h(plan['total_bytes'])}")
+    for key, gb in (("gpu", args.gpu_gb), ("ram", args.ram_gb)):
+        if gb is not None:
+            verdict = "fits" if plan[f"fits_{key}"] else "does NOT fit"
+            lines.append(f"{key.upper()} {gb:g} GB: {verdict}; longest context that fits: "
+                         f"{plan[f'max_context_{key}']:,} tokens")
+    _emit(args, plan, "\n".join(lines))
+    return EXIT_OK if budget_ok else EXIT_DOES_NOT_FIT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval
+def _evaluate(directory: str, base: str, text_path: str, max_tokens: int, window: int, write: bool) -> dict:
+    import torch
+    import turboquant_hf  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import card as tq_card
+    from .evaluation import compare_log_probs, tokenize_text, window_log_probs
+
+    with open(text_path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError):
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenize_text(tokenizer, text, max_tokens)
+    if len(ids) < 2:
+        raise CliError(f"eval: {text_path} gives fewer than 2 tokens")
+    starts = list(range(0, len(ids) - 1, window))
+    logprobs = {}
+    bar = _progress(total=2 * len(starts), desc="eval", unit="window")
+    try:
+        for which, path in (("base", base), ("quantized", directory)):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model.eval()
+            out = []
+            for s in starts:
+                out += window_log_probs(model, ids[s: s + window + 1], window)
+                bar.update()
+            logprobs[which] = out
+            del model
+    finally:
+        bar.close()
+    report = compare_log_probs(logprobs["base"], logprobs["quantized"], ids, window)
+    result = dict(report.as_dict(), text=os.path.basename(text_path),
+                  text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), max_tokens=max_tokens,
+                  window=window, dtype="float32", base=base,
+                  created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    if write:
+        path = os.path.join(directory, tq_card.EVAL_NAME)
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(path + ".tmp", path)
+    return result
+
+
+def cmd_eval(args, argv) -> int:
+    from . import card as tq_card
+
+    try:
+        tq_card.check_checkpoint(args.dir)
+    except tq_card.CardError as e:
+        raise CliError(f"eval: {e}") from e
+    if not os.path.isfile(args.text):
+        raise CliError(f"eval: --text {args.text}: no such file")
+    if not os.path.isdir(args.base) and not tq_card.looks_like_repo_id(args.base):
+        raise CliError(f"eval: --base {args.base}: neither a local directory nor a Hub repo id")
+    result = _evaluate(args.dir, args.base, args.text, args.max_tokens, args.window, write=args.write_card)
+    if args.write_card:
+        result["card"] = tq_card.write_card(args.dir)
+    _emit(args, result, f"{result['tokens']} tokens of {result['text']}: perplexity base {result['base_perplexity']:.3f},"
+                        f" quantized {result['quantized_perplexity']:.3f}; mean KL(base || quantized) "
+                        f"{result['mean_kl']:.4f} nats/token")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# argument parsing
+def _add_recipe_args(p, default_bits: bool = True) -> None:
+    from .recipes import recipe_names
+
+    g = p.add_argument_group("recipe (pick one of --recipe, --config, or --bits/--group-size)")
+    g.add_argument("--recipe", metavar="NAME", help=f"a named recipe: {', '.join(recipe_names())}")
+    g.add_argument("--config", metavar="FILE", help="a quantization_config JSON file (TurboQuantConfig settings)")
+    g.add_argument("--bits", type=_parse_bits, default=None,
+                   help="bits per weight: 2, 3, 4 or 1.58 (ternary); default 3 (with --recipe: overrides its default)")
+    g.add_argument("--group-size", type=int, choices=(64, 128, 256), default=None,
+                   help="weights per group along the input dimension (default 128)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt_cls = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="turboquant-hf", formatter_class=fmt_cls, epilog=_EPILOG,
+        description="TurboQuant weight quantization for Hugging Face transformers: quantize a model, evaluate it "
+                    "against its base, write its model card, push it to the Hub, and plan memory before "
+                    "downloading anything.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"turboquant-hf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("quantize", formatter_class=fmt_cls, epilog=_EPILOG,
+                       help="quantize a model and save it (optionally evaluate and push it)",
+                       description="Load SRC (a local folder or a Hub repo) with a TurboQuant quantization_config, "
+                                   "quantize it while it loads, and save the checkpoint, tokenizer and model card in "
+                                   "--out. The output is written to a hidden temporary folder beside --out and renamed "
+                                   "at the end: an interrupted run leaves no --out behind.")
+    p.add_argument("src", help="base model: a local folder or a Hub repo id")
+    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    _add_recipe_args(p)
+    p.add_argument("--base-model", metavar="REPO_ID", help="Hub id of the base model for the card's base_model "
+                                                          "(default: SRC when it is a Hub id)")
+    p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="dtype of the layers kept in full precision (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (device_map)")
+    p.add_argument("--eval", metavar="TEXT", help="a text file: measure perplexity and KL against SRC, into the card")
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens of --eval text to use (default 1024)")
+    p.add_argument("--window", type=int, default=512, help="evaluation window in tokens (default 512)")
+    p.add_argument("--push-to-hub", metavar="REPO", help="push the result to this Hub repo when done")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("push", formatter_class=fmt_cls, epilog=_EPILOG,
+                       help="push a TurboQuant checkpoint folder to the Hub with its model card",
+                       description="Upload DIR to the Hub repo REPO in one commit, with a freshly rendered model card "
+                                   "as README.md (files in DIR are not modified). Needs HF_TOKEN with write access.")
+    p.add_argument("dir", help="a folder written by `turboquant-hf quantize` or save_pretrained")
+    p.add_argument("repo", help="Hub repo id (namespace/name, or name for your own namespace)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--message", help="commit message")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("card", formatter_class=fmt_cls, epilog=_EPILOG,
+                       help="(re)generate DIR/README.md from what is in DIR",
+                       description="Render the model card of the TurboQuant checkpoint in DIR from its files (sizes "
+                                   "from the safetensors headers, recipe from config.json, quality from "
+                                   "turboquant_eval.json) and write it to DIR/README.md.")
+    p.add_argument("dir")
+    p.add_argument("--repo-id", help="the Hub repo the card's usage examples load from")
+    p.add_argument("--base-model", metavar="REPO_ID", help="Hub id of the base model")
+    p.add_argument("--stdout", action="store_true", help="print the card instead of writing README.md")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_card)
+
+    p = sub.add_parser("plan", formatter_class=fmt_cls, epilog=_EPILOG,
+                       help="project memory use from config.json and safetensors headers only",
+                       description="Read config.json and the safetensors headers of SRC (a local folder, or a Hub "
+                                   "repo: only the first bytes of each file are fetched) and project the quantized "
+                                   "weights per tier (exact), the KV cache per token of the full-attention layers, "
+                                   "the constant state of linear-attention layers, and whether it fits a budget.")
+    p.add_argument("src", help="a local folder or a Hub repo id")
+    _add_recipe_args(p)
+    p.add_argument("--context", type=int, help="tokens of context to plan for (default: max_position_embeddings)")
+    p.add_argument("--batch", type=int, default=1, help="sequences at once (default 1)")
+    p.add_argument("--kv-dtype", default="bf16", choices=sorted(_DTYPE_BYTES), help="KV cache dtype (default bf16)")
+    p.add_argument("--gpu-gb", type=float, help="GPU memory budget in GB (10^9 bytes); exit code 4 if it does not fit")
+    p.add_argument("--ram-gb", type=float, help="CPU memory budget in GB; exit code 4 if it does not fit")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("eval", formatter_class=fmt_cls, epilog=_EPILOG,
+                       help="perplexity and KL divergence of a quantized model against its base",
+                       description="Run the base and the quantized model (float32) over the same token windows of "
+                                   "a text file and report both perplexities and the mean KL(base || quantized).")
+    p.add_argument("dir", help="the quantized checkpoint folder")
+    p.add_argument("--base", required=True, help="the base model it was quantized from (folder or Hub repo id)")
+    p.add_argument("--text", required=True, help="a plain-text file")
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens of text to use (default 1024)")
+    p.add_argument("--window", type=int, default=512, help="window in tokens (default 512)")
+    p.add_argument("--write-card", action="store_true",
+                   help="store the result in DIR/turboquant_eval.json and rewrite DIR/README.md with it")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    previous = None
+    try:
+        previous = signal.signal(signal.SIGTERM, _sigterm)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        return args.func(args, argv)
+    except CliError as e:
+        print(f"turboquant-hf {args.command}: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print(f"turboquant-hf {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        from .checkpoint import CheckpointError
+
+        if isinstance(e, CheckpointError):
+            print(f"turboquant-hf {args.command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        if _is_hub_exception(e):
+            print(f"turboquant-hf {args.command}: error: {_hub_error(e, args.command, 'Retry the command.')}",
+                  file=sys.stderr)
+            return EXIT_HUB
+        print(f"turboquant-hf {args.command}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
