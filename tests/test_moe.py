@@ -25,7 +25,7 @@ def qwen3_5_moe():
     text = dict(vocab_size=256, hidden_size=H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, moe_intermediate_size=I, shared_expert_intermediate_size=96, num_experts=E,
                 num_experts_per_tok=TOP_K, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-                linear_value_head_dim=48,  # in_proj_qkv / conv widths of 320: not a multiple of G
+                linear_value_head_dim=40,  # out_proj reads 4 x 40 = 160 inputs: not a multiple of G
                 linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256)
     vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=H, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
@@ -162,10 +162,12 @@ def test_qwen3_5_both_classes_share_one_checkpoint(checkpoints, tmp_path):
     gu = a["model.language_model.layers.0.mlp.experts.gate_up_proj.tq_packed"]
     assert gu.shape[1] == fmt.bytes_per_group(3, 64) == 13  # ternary routed experts
     assert a["model.language_model.layers.0.mlp.shared_expert.up_proj.weight.tq_packed"].shape[1] == 24
-    # GatedDeltaNet widths that are not multiples of G are padded and recorded, never left in bf16
-    qkv = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
-    assert qkv + ".tq_packed" in a and qkv not in a
+    # GatedDeltaNet widths that are not multiples of G are padded and recorded, never left in bf16:
+    # out_proj reads 4 value heads x 40 = 160 inputs, padded to 192 at G = 64
+    out_proj = "model.language_model.layers.0.linear_attn.out_proj.weight"
+    assert out_proj not in a and a[out_proj + ".tq_norms"].shape == (H, 3)
     tq = json.load(open(tmp_path / "full" / "tq_config.json"))
+    assert tq["orig_in_dims"][out_proj] == 160
     assert tq["expert_bits"] == 1.58 and json.load(open(tmp_path / "full" / "config.json"))[
         "quantization_config"]["expert_bits"] == 1.58
     ids = _ids()

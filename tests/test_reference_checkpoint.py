@@ -25,25 +25,8 @@ def reference_dir(request, tiny_llama_dir, tmp_path_factory):
 
 def _reference_dequantized_model(directory, group_size):
     """A plain float32 model holding the reference package's own dequantization of every packed tensor."""
-    tq = json.load(open(os.path.join(directory, "tq_config.json")))
-    tensors = load_file(os.path.join(directory, "model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)  # no quantization_config: plain
-    state = {}
-    for name in [k for k in tensors if k.endswith(".tq_packed")]:
-        key = name[: -len(".tq_packed")]
-        packed, norms = tensors[name], tensors[key + ".tq_norms"]
-        bits = ref_wq.bits_from_packed_group_bytes(packed.shape[1], group_size)
-        q = ref_ops.PolarQuantTorch(group_size, bits, seed=42, device="cpu")
-        rows, n_groups = norms.shape
-        w = q.dequantize(ref_wq.unpack_indices(packed, bits, group_size), norms.flatten())
-        in_features = tq.get("orig_in_dims", {}).get(key, n_groups * group_size)
-        state[key] = w.reshape(rows, n_groups * group_size)[:, :in_features]
-    for k, v in tensors.items():
-        if not k.endswith((".tq_packed", ".tq_norms")):
-            state[k] = v.float()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
-    return model
+    plain = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)  # no quantization_config: plain
+    return _reference_dequantize_into(plain, directory, group_size)
 
 
 def test_reference_checkpoint_loads_and_matches(reference_dir):
