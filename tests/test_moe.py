@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec

@@ -1,7 +1,6 @@
 """Exact sizes at full scale without weights: Qwen3.6-35B-A3B's text model on the meta device."""
 
 import pytest
-import torch
 
 from turboquant_hf import format as fmt
 from turboquant_hf.recipes import get_recipe
@@ -16,7 +15,7 @@ def _packed(rows, in_features, bits, g=128):
 def _expected(attn_bits, expert_bits, g=128):
     """Bytes by hand from the published architecture (hidden 2048, 40 layers: 30 GatedDeltaNet + 10 attention,
     256 experts of 512, shared expert 512, vocab 248320), independent of the module code."""
-    h, e, i, v = 2048, 256, 512, 248320
+    h, e, i = 2048, 256, 512
     per_linear = 0
     per_full = 0
     # GatedDeltaNet: in_proj_qkv (2*16*128 + 32*128 = 8192), in_proj_z (4096), in_proj_b/a (32), out_proj 4096->2048

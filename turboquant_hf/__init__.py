@@ -10,8 +10,9 @@ from __future__ import annotations
 from . import format
 from .codec import dequantize_weight, quantize_weight
 from .config import TurboQuantConfig
-from .modules import TurboQuantLinear, TurboQuantWeight
+from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight
 from .quantizer import TurboQuantHfQuantizer
+from .recipes import get_recipe
 from .registration import register
 
 __version__ = "0.1.0"
@@ -20,11 +21,13 @@ register()
 
 __all__ = [
     "TurboQuantConfig",
+    "TurboQuantExperts",
     "TurboQuantHfQuantizer",
     "TurboQuantLinear",
     "TurboQuantWeight",
     "dequantize_weight",
     "format",
+    "get_recipe",
     "quantize_weight",
     "register",
 ]

@@ -20,7 +20,6 @@ from . import format as fmt
 from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
 from .modules import (
     TurboQuantExperts,
-    TurboQuantLinear,
     TurboQuantWeight,
     fused_experts_geometry,
     replace_experts_modules,
@@ -106,7 +105,6 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
     # -- before loading ------------------------------------------------------------------------------------------
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        cfg = self.quantization_config
         self.checkpoint_index = ckpt.read_checkpoint_index(checkpoint_files)
         packed_keys = ckpt.packed_weight_keys(self.checkpoint_index)
         if packed_keys and not self.pre_quantized:
@@ -115,7 +113,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
             for directory in ckpt.checkpoint_dirs(checkpoint_files):
                 tq = ckpt.read_tq_config(directory)
                 if tq is not None:
-                    self.quantization_config = cfg = TurboQuantConfig.from_tq_config(tq)
+                    self.quantization_config = TurboQuantConfig.from_tq_config(tq)
         elif self.pre_quantized and not packed_keys and self.checkpoint_index:
             raise ckpt.CheckpointError(
                 "TurboQuant: config.json declares a turboquant quantization_config but the checkpoint holds no "
