@@ -43,3 +43,21 @@ def test_quantize_on_gpu_matches_cpu(tiny_llama_dir, tmp_path):
         assert torch.equal(again(ids.cuda()).logits, gpu(ids.cuda()).logits)
     out = again.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False)
     assert out.shape == (1, 32)
+
+
+@pytest.mark.parametrize("bits", [1.58, 2, 3, 4])
+def test_linear_module_on_gpu_matches_cpu(bits):
+    """Each tier through TurboQuantLinear (ternary keeps float16 norms) on CUDA equals the CPU reference."""
+    from turboquant_hf.modules import quantize_linear_
+
+    torch.manual_seed(0)
+    layer = TurboQuantLinear(300, 96, bias=True, bits=bits, group_size=128)
+    quantize_linear_(layer, torch.randn(96, 300) * 0.05)
+    layer.bias.data.normal_()
+    x = torch.randn(5, 300)
+    ref = layer(x)
+    gpu = layer.to("cuda")
+    assert gpu.weight.tq_norms.dtype == (torch.float16 if bits == 1.58 else torch.float32)
+    for m in (1, 5):
+        out = gpu(x[:m].cuda()).cpu()
+        assert torch.allclose(out, ref[:m], rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (bits, m)
