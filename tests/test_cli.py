@@ -307,3 +307,20 @@ def test_eval_writes_its_numbers_into_the_card(tiny_llama_dir, tmp_path, capsys)
     readme = (out / "README.md").read_text()
     assert f"| perplexity | {result['base_perplexity']:.3f} | {result['quantized_perplexity']:.3f} |" in readme
     assert "299 predicted tokens of `words.txt`" in readme
+
+
+@pytest.mark.parametrize("recipe", ["tq3", "tq3a-tqTe"])
+def test_plan_agrees_with_the_module_replacement(qwen36_dir, recipe, capsys):
+    """`plan` decides from tensor names and shapes in the headers; from_pretrained decides from module types.
+    For the full Qwen3.6-35B-A3B both must quantize the same weights into the same bytes."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    from turboquant_hf.recipes import get_recipe
+    from turboquant_hf.sizing import size_from_config
+
+    plan = json.loads(_plan_json(qwen36_dir, "--recipe", recipe))
+    report = size_from_config(Qwen3_5MoeTextConfig(), get_recipe(recipe))
+    planned = {float(t["bits"]): t for t in plan["tiers"]}
+    assert set(planned) == {float(b) for b in report["tiers"]}
+    for bits, tier in report["tiers"].items():
+        assert planned[float(bits)]["bytes"] == tier["bytes"], bits
