@@ -21,6 +21,7 @@ setup(
         "accelerate>=1.0",
         "safetensors>=0.4",
         "huggingface_hub>=1.0",
+        "optimum>=1.20",
         "numpy",
         "jinja2",
         "tqdm",
