@@ -90,10 +90,33 @@ def test_refusals_leave_nothing(tiny_llama_dir, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["src"]
 
 
-def test_per_expert_source_is_refused_clearly(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen3_5_moe"])
+def test_per_expert_sources_are_fused(kind, tmp_path):
+    """Per-expert source tensors are regrouped into the published pre-fused layout, exactly as loading does."""
+    import test_moe
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    torch.manual_seed(0)
+    getattr(test_moe, kind)().to(torch.bfloat16).save_pretrained(tmp_path / "src")  # per-expert (default save)
+    assert any(".experts.0." in k for k in _tensors(tmp_path / "src"))
+    cfg = TurboQuantConfig(bits=3, group_size=64, module_bits={r"experts\.down_proj": 4})
+    TurboQuantizer.from_pretrained(tmp_path / "src").quantize(tmp_path / "out", quantization_config=cfg,
+                                                              progress=False)
+    cls = Qwen3_5MoeForConditionalGeneration if kind == "qwen3_5_moe" else AutoModelForCausalLM
+    cls.from_pretrained(tmp_path / "src", quantization_config=cfg).save_pretrained(tmp_path / "ref")
+    _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    out = _tensors(tmp_path / "out")
+    assert not any(".experts.0." in k for k in out)
+    assert sum(k.endswith("experts.gate_up_proj.tq_packed") for k in out) == (4 if kind == "qwen3_5_moe" else 2)
+
+
+def test_incomplete_experts_named(tmp_path):
     from test_moe import qwen3_moe
 
-    qwen3_moe().save_pretrained(tmp_path / "src")  # per-expert tensors (transformers' default save)
-    with pytest.raises(CheckpointError, match="per-expert sources"):
+    qwen3_moe().save_pretrained(tmp_path / "src")
+    t = load_file(tmp_path / "src" / "model.safetensors")
+    del t["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(t, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts: the per-expert tensors"):
         TurboQuantizer.from_pretrained(tmp_path / "src").quantize(tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()

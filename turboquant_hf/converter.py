@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ try:  # optimum's quantizer interface, when the installed optimum has it
 except ImportError:  # pragma: no cover - same shape without optimum
     class _QuantizerBase:  # type: ignore[no-redef]
         pass
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 _COPIED_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
 _SKIPPED_FILES = {"model.safetensors.index.json", "config.json", "README.md", fmt.TQ_CONFIG_NAME}
@@ -92,14 +96,39 @@ class TurboQuantizer(_QuantizerBase):
         apply_plan(model, config)
         modules = {n: m for n, m in model.named_modules() if isinstance(m, TurboQuantWeight)}
         targets = {}
+        self.expert_groups = {}
+        found = set()
         for key, model_key in checkpoint_to_model_keys(model, list(self.index)).items():
             if model_key in modules:
                 targets[key] = modules[model_key]
-        missing = set(modules) - {m for m in checkpoint_to_model_keys(model, list(targets)).values()}
+                found.add(model_key)
+        # per-expert sources: `<prefix>.experts.N.{gate,up,down}_proj.weight` (or Mixtral's w1/w3/w2), fused here
+        # into `<prefix>.experts.gate_up_proj` / `.down_proj` exactly as transformers merges them while loading
+        per_expert = {}
+        for key in self.index:
+            m = _PER_EXPERT.match(key)
+            if m:
+                per_expert.setdefault(m.group(1), {}).setdefault(_PART[m.group(3)], {})[int(m.group(2))] = key
+        for prefix, parts in per_expert.items():
+            for fused, sources in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+                fused_key = f"{prefix}.{fused}"
+                model_key = checkpoint_to_model_keys(model, [fused_key])[fused_key]
+                if model_key not in modules:
+                    continue
+                target = modules[model_key]
+                n_experts = target.source_shape[0]
+                if any(sorted(parts.get(p, {})) != list(range(n_experts)) for p in sources):
+                    raise ckpt.CheckpointError(
+                        f"{prefix}: the per-expert tensors do not cover experts 0..{n_experts - 1} for {fused}"
+                    )
+                self.expert_groups[fused_key] = [[parts[p][e] for p in sources] for e in range(n_experts)]
+                targets[fused_key] = target
+                found.add(model_key)
+        missing = set(modules) - found
         if missing:
             raise ckpt.CheckpointError(
                 f"{self.source_dir}: no source tensor for {sorted(missing)[0]} (and {len(missing) - 1} more); "
-                "per-expert sources and other layouts that transformers merges while loading are not streamed yet"
+                "layouts that transformers transforms while loading, other than per-expert experts, are not streamed yet"
             )
         return targets
 
@@ -148,8 +177,10 @@ class TurboQuantizer(_QuantizerBase):
     def _write_shards(self, out_dir, targets, cfg, max_shard_size, device, summary, progress) -> None:
         from tqdm.auto import tqdm
 
-        names = sorted(self.index)
-        total = sum(ckpt_numel(self.index[n]) * _element_size(self.index[n]["dtype"]) for n in names)
+        grouped = {k for members in self.expert_groups.values() for per in members for k in per}
+        # one unit per output tensor: a plain source tensor, or a fused expert tensor (in sorted name order)
+        units = sorted([(n, None) for n in self.index if n not in grouped] + list(self.expert_groups.items()))
+        total = sum(ckpt_numel(self.index[n]) * _element_size(self.index[n]["dtype"]) for n in self.index)
         shard: dict[str, torch.Tensor] = {}
         shard_bytes = 0
         shards: list[dict[str, torch.Tensor]] = []
@@ -166,12 +197,19 @@ class TurboQuantizer(_QuantizerBase):
 
         bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="quantizing")
         handles = {}
+
+        def read(key):
+            info = self.index[key]
+            f = handles.get(info["file"]) or handles.setdefault(info["file"], safe_open(info["file"], "pt"))
+            return f.get_tensor(key)
+
         try:
-            for name in names:
-                info = self.index[name]
-                f = handles.get(info["file"]) or handles.setdefault(info["file"], safe_open(info["file"], "pt"))
+            for name, members in units:
                 bar.set_postfix_str(name[-60:], refresh=False)
-                tensor = f.get_tensor(name)
+                if members is None:
+                    tensor = read(name)
+                else:  # [E, out, in]: each expert's parts concatenated along out (gate rows, then up rows)
+                    tensor = torch.stack([torch.cat([read(k) for k in per], dim=0) for per in members])
                 summary.bytes_in += tensor.numel() * tensor.element_size()
                 if name in targets:
                     w = targets[name]
