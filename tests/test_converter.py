@@ -46,7 +46,7 @@ def test_dense_llama_matches_from_pretrained(tiny_llama_dir, tmp_path):
     assert os.path.isfile(tmp_path / "out" / "tokenizer.json")
     tq = json.load(open(tmp_path / "out" / "tq_config.json"))
     ref_tq = json.load(open(tmp_path / "ref" / "tq_config.json"))
-    assert tq["orig_in_dims"] == ref_tq["orig_in_dims"] and tq["compressed_layers"] == ref_tq["compressed_layers"]
+    assert tq == ref_tq and tq["module_bits"] == {"down_proj": 4}  # original_model: the same source folder
     ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = AutoModelForCausalLM.from_pretrained(tmp_path / "out")(ids).logits

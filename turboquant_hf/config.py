@@ -126,6 +126,29 @@ class TurboQuantConfig(QuantizationConfigMixin):
             out["sensitive_patterns"] = list(self.sensitive_patterns)
         return out
 
+    def to_tq_config(self, compressed_layers: int, orig_in_dims: dict[str, int], original_model=None) -> dict:
+        """The `tq_config.json` of a checkpoint quantized with this config (published keys first, then the recipe)."""
+        out = {
+            "format": self.format,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "quantizer_seed": self.quantizer_seed,
+            "compressed_layers": compressed_layers,
+            "original_model": original_model,
+        }
+        if self.sensitive_patterns:
+            out["sensitive_bits"] = self.sensitive_bits
+            out["sensitive_patterns"] = list(self.sensitive_patterns)
+        if self.module_bits:
+            out["module_bits"] = dict(self.module_bits)
+        if self.expert_bits is not None:
+            out["expert_bits"] = self.expert_bits
+        if self.modules_to_not_convert is not None:
+            out["modules_to_not_convert"] = list(self.modules_to_not_convert)
+        if orig_in_dims:
+            out["orig_in_dims"] = dict(orig_in_dims)
+        return out
+
     @classmethod
     def from_tq_config(cls, tq_config: dict[str, Any]) -> "TurboQuantConfig":
         """Build the config a published `tq_config.json` describes."""

@@ -254,14 +254,8 @@ class TurboQuantizer(_QuantizerBase):
         config["quantization_config"] = cfg.to_dict()
         with open(os.path.join(out_dir, "config.json"), "w") as fh:
             json.dump(config, fh, indent=2)
-        tq = {
-            "format": fmt.FORMAT_NAME, "bits": cfg.bits, "group_size": cfg.group_size,
-            "quantizer_seed": fmt.QUANTIZER_SEED, "compressed_layers": len(targets),
-            "original_model": self.source_dir,
-        }
         orig = {k: w.in_features for k, w in targets.items() if w.in_features % w.group_size}
-        if orig:
-            tq["orig_in_dims"] = orig
+        tq = cfg.to_tq_config(len(targets), orig, self.source_dir)
         with open(os.path.join(out_dir, fmt.TQ_CONFIG_NAME), "w") as fh:
             json.dump(tq, fh, indent=2)
 

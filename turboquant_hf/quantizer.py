@@ -388,26 +388,7 @@ def describe_quantized_model(model, save_directory: str) -> dict:
         layers += 1
         if module.in_features % module.group_size:
             orig_in_dims[key] = module.in_features
-    out = {
-        "format": fmt.FORMAT_NAME,
-        "bits": cfg.bits,
-        "group_size": cfg.group_size,
-        "quantizer_seed": fmt.QUANTIZER_SEED,
-        "compressed_layers": layers,
-        "original_model": getattr(model, "_turboquant_original_model", None),
-    }
-    if cfg.sensitive_patterns:
-        out["sensitive_bits"] = cfg.sensitive_bits
-        out["sensitive_patterns"] = list(cfg.sensitive_patterns)
-    if cfg.module_bits:
-        out["module_bits"] = dict(cfg.module_bits)
-    if cfg.expert_bits is not None:
-        out["expert_bits"] = cfg.expert_bits
-    if cfg.modules_to_not_convert is not None:
-        out["modules_to_not_convert"] = list(cfg.modules_to_not_convert)
-    if orig_in_dims:
-        out["orig_in_dims"] = orig_in_dims
-    return out
+    return cfg.to_tq_config(layers, orig_in_dims, getattr(model, "_turboquant_original_model", None))
 
 
 def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: bool = True, base_model=None, **kwargs):
