@@ -435,9 +435,6 @@ def _fma_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
     Picked from a sweep on an H200 (benchmarks/RESULTS.md): 8 rows per program below 8192 output
     rows, 16 above; GPI (groups per step) gives each thread 128 weights per step (256 for 2- and
     4-bit with 16 rows); ternary does best with 2 groups per step."""
-    cfg = _FMA_OVERRIDE.get((n, ng * g, n_levels, g))
-    if cfg is not None:
-        return cfg
     geo = unit_geometry(n_levels, g)
     g_eff = geo["UPG_P"] * geo["PER"]  # decoded slots per group (ternary pads 26 bytes to 32)
     if n >= 8192:
@@ -461,10 +458,6 @@ LUT_MASKS = {3: 0x5, 4: 0x0, 8: 0x11111111, 16: 0x55555555}
 
 def _with_mask(cfg: tuple, n_levels: int) -> tuple:
     return tuple(cfg) if len(cfg) == 4 else (*cfg, LUT_MASKS[n_levels])
-
-
-_FMA_OVERRIDE: dict = {}
-_DOT_OVERRIDE: dict = {}
 
 
 def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
@@ -535,9 +528,6 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
     """(BN, num_warps, num_stages) for the tensor-core GEMV, from the weight shape only.
 
     One stage: software pipelining would route every codebook lookup through shared memory."""
-    cfg = _DOT_OVERRIDE.get((n, ng * g, n_levels, g))
-    if cfg is not None:
-        return cfg
     geo = unit_geometry(n_levels, g)
     bk = geo["UPG_P"] * geo["PER_P"]
     bn = min(64 if n >= 8192 else 32, 8192 // bk)

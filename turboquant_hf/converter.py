@@ -183,7 +183,6 @@ class TurboQuantizer(_QuantizerBase):
         total = sum(ckpt_numel(self.index[n]) * _element_size(self.index[n]["dtype"]) for n in self.index)
         shard: dict[str, torch.Tensor] = {}
         shard_bytes = 0
-        shards: list[dict[str, torch.Tensor]] = []
         written: list[tuple[str, list[str]]] = []
 
         def flush():
@@ -242,7 +241,6 @@ class TurboQuantizer(_QuantizerBase):
         if n > 1:
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
                 json.dump({"metadata": {"total_size": summary.bytes_out}, "weight_map": weight_map}, fh, indent=2)
-        del shards
 
     def _write_side_files(self, out_dir, cfg: TurboQuantConfig, targets) -> None:
         for entry in sorted(os.listdir(self.source_dir)):

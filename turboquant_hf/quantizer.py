@@ -122,7 +122,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             linear_plan, experts_plan = self._plan_from_checkpoint(model, packed_keys)
         else:
-            linear_plan, experts_plan = self._plan_from_config(model)
+            linear_plan, experts_plan = self.plan_from_config(model)
         self.modules_to_not_convert = None
         replace_linear_modules(model, linear_plan, awaiting_weights=not self.pre_quantized)
         replace_experts_modules(model, experts_plan, awaiting_weights=not self.pre_quantized)
@@ -144,7 +144,9 @@ class TurboQuantHfQuantizer(HfQuantizer):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
 
-    def _plan_from_config(self, model):
+    def plan_from_config(self, model):
+        """({Linear name: (bits, G)}, {experts name: (gate_up bits, down bits, G, activation)}) for on-the-fly
+        quantization; also used on the meta device by `sizing` and the streaming converter."""
         cfg = self.quantization_config
         skip = self._skip_patterns(model)
         activation = self._activation(model)

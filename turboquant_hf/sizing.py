@@ -15,7 +15,7 @@ def apply_plan(model, config: TurboQuantConfig):
     from .quantizer import TurboQuantHfQuantizer
 
     quantizer = TurboQuantHfQuantizer(config)
-    linear_plan, experts_plan = quantizer._plan_from_config(model)
+    linear_plan, experts_plan = quantizer.plan_from_config(model)
     replace_linear_modules(model, linear_plan, awaiting_weights=False)
     replace_experts_modules(model, experts_plan, awaiting_weights=False)
     return model
