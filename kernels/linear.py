@@ -628,6 +628,28 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
+            group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Already-rotated activations `(M, n_groups*G)` times the packed weight -> `(M, rows)` in `out_dtype`.
+
+    The codebook product alone (the CUDA side of `turboquant_hf.ops.codebook_matmul`): any rotation of
+    the activations (per-group WHT, whole-row Hadamard, ...) can feed it. `norms` are per-group scales
+    and `codebook` the values they multiply, both tensors, so per-module codebooks work unchanged."""
+    norms = _f32(norms)
+    codebook = _f32(codebook)
+    m = x_rot.shape[0]
+    sixteen = out_dtype in (torch.bfloat16, torch.float16)
+    if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
+        return gemv_fma(_f32(x_rot), packed, norms, codebook, group_size, out_dtype)
+    if m <= DOT_MAX_M:
+        xr = x_rot.float().contiguous() if _interpreting() else x_rot.to(out_dtype).contiguous()
+        return gemv_dot(xr, packed, norms, codebook, group_size, out_dtype)
+    xr = x_rot.to(out_dtype if sixteen else torch.float32).contiguous()
+    w = dequantize_rotated(packed, norms, codebook, group_size, xr.dtype)
+    y = torch.nn.functional.linear(xr, w)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
            signs1: torch.Tensor, signs2: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
     """The whole op through the Triton kernels (same contract as `turboquant_hf.ops.turboquant_linear`)."""
