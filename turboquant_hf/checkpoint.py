@@ -97,3 +97,31 @@ def check_packed_tensor(index: dict[str, Any], key: str, rows: int, in_features:
 
 def checkpoint_dirs(files: Iterable[str]) -> list[str]:
     return sorted({os.path.dirname(str(p)) for p in files or ()})
+
+
+def check_hadamard_tensor(index: dict[str, Any], key: str, rows: int, in_features: int):
+    """Validate a whole-row-Hadamard module saved in this package's layout (`key.tq_packed`, `.tq_norms`,
+    `.tq_codebook`, `.tq_signs`; see `turboquant_hf.mlx`) against a layer of `rows` x `in_features`.
+
+    Returns (codebook size, group size, norms dtype)."""
+    names = {part: f"{key}.tq_{part}" for part in ("packed", "norms", "codebook", "signs")}
+    for name in names.values():
+        if name not in index:
+            raise CheckpointError(f"checkpoint is missing {name} (needed for the quantized layer {key})")
+    packed, norms, codebook, signs = (index[names[p]] for p in ("packed", "norms", "codebook", "signs"))
+    if len(codebook["shape"]) != 1 or codebook["shape"][0] not in (3, 4, 8, 16) or codebook["dtype"] not in fmt.NORMS_DTYPES:
+        raise CheckpointError(f"{names['codebook']}: expected 3, 4, 8 or 16 float entries, found {codebook['dtype']} "
+                              f"{list(codebook['shape'])}")
+    if signs["shape"] != (in_features,) or signs["dtype"] not in fmt.NORMS_DTYPES:
+        raise CheckpointError(f"{names['signs']}: expected float ({in_features},), found {signs['dtype']} "
+                              f"{list(signs['shape'])}")
+    n_groups = norms["shape"][1] if len(norms["shape"]) == 2 else 0
+    if norms["dtype"] not in fmt.NORMS_DTYPES or norms["shape"][0] != rows or not n_groups or in_features % n_groups:
+        raise CheckpointError(f"{names['norms']}: expected float ({rows}, n_groups) with n_groups dividing "
+                              f"{in_features}, found {norms['dtype']} {list(norms['shape'])}")
+    n_levels, group_size = codebook["shape"][0], in_features // n_groups
+    expected = (rows * n_groups, fmt.bytes_per_group(n_levels, group_size))
+    if packed["dtype"] != "U8" or packed["shape"] != expected:
+        raise CheckpointError(f"{names['packed']}: expected uint8 {list(expected)} for a {n_levels}-entry codebook, "
+                              f"found {packed['dtype']} {list(packed['shape'])}")
+    return n_levels, group_size, fmt.NORMS_DTYPES[norms["dtype"]]

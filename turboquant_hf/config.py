@@ -8,6 +8,7 @@ from typing import Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import format as fmt
+from .rotation import HADAMARD_FORMAT, HADAMARD_GROUP_SIZES
 
 QUANT_METHOD = "turboquant"
 
@@ -69,9 +70,10 @@ class TurboQuantConfig(QuantizationConfigMixin):
             )
         if quant_method != QUANT_METHOD:
             raise ValueError(f"TurboQuantConfig: quant_method must be {QUANT_METHOD!r}, got {quant_method!r}")
-        if format != fmt.FORMAT_NAME:
+        if format not in (fmt.FORMAT_NAME, HADAMARD_FORMAT):
             raise ValueError(
-                f"TurboQuantConfig: format {format!r} is not supported by this version (supported: {fmt.FORMAT_NAME!r})"
+                f"TurboQuantConfig: format {format!r} is not supported by this version (supported: {fmt.FORMAT_NAME!r}, "
+                f"{HADAMARD_FORMAT!r})"
             )
         if quantizer_seed != fmt.QUANTIZER_SEED:
             raise ValueError(
@@ -80,7 +82,14 @@ class TurboQuantConfig(QuantizationConfigMixin):
             )
         self.quant_method = QUANT_METHOD
         self.bits = fmt.check_bits(bits)
-        self.group_size = fmt.check_group_size(group_size)
+        if format == HADAMARD_FORMAT:
+            # loaded from turboquant-mlx checkpoints only: bits and group size are per tensor, from the files
+            if isinstance(group_size, bool) or group_size not in HADAMARD_GROUP_SIZES:
+                raise ValueError(f"group_size must be one of {', '.join(map(str, HADAMARD_GROUP_SIZES))} for format "
+                                 f"{HADAMARD_FORMAT!r}, got {group_size!r}")
+            self.group_size = int(group_size)
+        else:
+            self.group_size = fmt.check_group_size(group_size)
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
         self.module_bits = {}
         for pattern, value in (module_bits or {}).items():
@@ -94,7 +103,7 @@ class TurboQuantConfig(QuantizationConfigMixin):
         self.sensitive_patterns = list(sensitive_patterns) if sensitive_patterns else None
         if self.sensitive_patterns and self.sensitive_bits is None:
             raise ValueError("TurboQuantConfig: sensitive_patterns needs sensitive_bits")
-        self.format = fmt.FORMAT_NAME
+        self.format = format
         self.quantizer_seed = fmt.QUANTIZER_SEED
 
     def bits_for(self, module_name: str):
@@ -148,6 +157,29 @@ class TurboQuantConfig(QuantizationConfigMixin):
         if orig_in_dims:
             out["orig_in_dims"] = dict(orig_in_dims)
         return out
+
+    @classmethod
+    def from_mlx(cls, block: dict[str, Any]) -> "TurboQuantConfig":
+        """The config of a turboquant-mlx checkpoint, from its config.json `quantization` block
+        (`{"mode": "turboquant", "bits", "group_size", "rotation", "use_qjl", ...}`). Raises a ValueError for
+        other MLX quantization modes and for variants this version cannot load."""
+        mode = block.get("mode", "affine")
+        if mode != "turboquant":
+            raise ValueError(
+                f"config.json: MLX quantization mode {mode!r} (bits {block.get('bits')}, group_size "
+                f"{block.get('group_size')}) is not TurboQuant; turboquant_hf loads MLX checkpoints written by "
+                "turboquant-mlx (quantization mode 'turboquant') only"
+            )
+        if block.get("use_qjl"):
+            raise ValueError("config.json: this turboquant-mlx checkpoint uses QJL residual correction "
+                             "(use_qjl: true), which this version cannot load")
+        rotation = block.get("rotation", "hadamard")
+        if rotation not in ("hadamard", "blockwise_hadamard"):
+            raise ValueError(f"config.json: turboquant-mlx rotation {rotation!r} is not supported (supported: "
+                             "'hadamard', 'blockwise_hadamard')")
+        bits = block.get("bits", 3)
+        return cls(bits=bits if bits in fmt.BITS else 3, group_size=block.get("group_size", 64),
+                   format=HADAMARD_FORMAT)
 
     @classmethod
     def from_tq_config(cls, tq_config: dict[str, Any]) -> "TurboQuantConfig":

@@ -14,6 +14,7 @@ from torch import nn
 from . import codec
 from . import format as fmt
 from . import ops  # noqa: F401  (registers torch.ops.turboquant)
+from . import rotation as rotation_
 
 _CONSTANTS: dict = {}
 
@@ -28,15 +29,28 @@ def format_constants(n_levels: int, group_size: int, device) -> tuple[torch.Tens
     return _CONSTANTS[key]
 
 
+ROTATIONS = ("groups", "hadamard")
+
+
 class TurboQuantWeight(nn.Module):
     """Packed indices `tq_packed` (uint8, `(rows*n_groups, bytes_per_group)`) and norms `tq_norms` (float32, `(rows, n_groups)`).
 
     `source_shape` is the shape of the full-precision tensor it replaces (`(out, in)` for a Linear,
     `(E, out, in)` for fused experts); `rows = prod(source_shape[:-1])`.
+
+    `rotation` says how the activations are rotated before the codebook product:
+    - `"groups"` (tq3_native): per group, the seed-42 Walsh-Hadamard transform; the codebook is a format constant.
+    - `"hadamard"` (turboquant-mlx checkpoints): over the whole input row (see `rotation`), with this module's
+      signs `tq_signs` `(in,)`; its codebook `tq_codebook` `(n_levels,)` is stored too, and `tq_norms` holds
+      the per-group scales. The input width must then be a multiple of G.
     """
 
-    def __init__(self, source_shape: tuple, bits, group_size: int, device=None, norms_dtype=None):
+    def __init__(self, source_shape: tuple, bits, group_size: int, device=None, norms_dtype=None,
+                 rotation: str = "groups"):
         super().__init__()
+        if rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {rotation!r}")
+        self.rotation = rotation
         self.source_shape = tuple(source_shape)
         rows = 1
         for d in self.source_shape[:-1]:
@@ -44,13 +58,22 @@ class TurboQuantWeight(nn.Module):
         in_features = self.source_shape[-1]
         self.rows = rows
         self.in_features = in_features
-        self.group_size = fmt.check_group_size(group_size)
+        if rotation == "hadamard":
+            if group_size not in rotation_.HADAMARD_GROUP_SIZES or in_features % group_size:
+                raise ValueError(f"group_size {group_size!r} does not divide the input width {in_features} into one of "
+                                 f"the supported group sizes {rotation_.HADAMARD_GROUP_SIZES}")
+            self.group_size = int(group_size)
+        else:
+            self.group_size = fmt.check_group_size(group_size)
         self.n_levels = fmt.levels_for_bits(bits)
         self.n_groups = -(-in_features // group_size)
         bpg = fmt.bytes_per_group(self.n_levels, group_size)
         self.register_buffer("tq_packed", torch.empty(rows * self.n_groups, bpg, dtype=torch.uint8, device=device))
         self.norms_dtype = norms_dtype or fmt.default_norms_dtype(self.n_levels)
         self.register_buffer("tq_norms", torch.empty(rows, self.n_groups, dtype=self.norms_dtype, device=device))
+        if rotation == "hadamard":
+            self.register_buffer("tq_codebook", torch.empty(self.n_levels, dtype=torch.float16, device=device))
+            self.register_buffer("tq_signs", torch.empty(in_features, dtype=torch.float16, device=device))
         # While a full-precision checkpoint loads, the state dict advertises the source tensor (its parent's
         # name for it, e.g. `q_proj.weight`) in this dtype, so the loader hands it to the quantize op.
         self.awaiting_dtype: torch.dtype | None = None
@@ -60,9 +83,14 @@ class TurboQuantWeight(nn.Module):
         if self.awaiting_dtype is not None:
             destination[prefix[:-1]] = torch.empty(self.source_shape, dtype=self.awaiting_dtype, device="meta")
 
-    def load_packed_(self, packed: torch.Tensor, norms: torch.Tensor) -> None:
+    def load_packed_(self, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor | None = None,
+                     signs: torch.Tensor | None = None) -> None:
         self.tq_packed = packed
         self.tq_norms = to_norms_dtype(norms, self.norms_dtype)
+        if self.rotation == "hadamard":
+            # stored exactly as given (their dtype included): they are part of the checkpoint's weights
+            self.tq_codebook = codebook
+            self.tq_signs = signs
         self.awaiting_dtype = None
 
     @property
@@ -74,24 +102,34 @@ class TurboQuantWeight(nn.Module):
         return self.tq_packed.device
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {
+        shapes = {
             "tq_packed": (self.rows * self.n_groups, fmt.bytes_per_group(self.n_levels, self.group_size)),
             "tq_norms": (self.rows, self.n_groups),
         }
+        if self.rotation == "hadamard":
+            shapes.update(tq_codebook=(self.n_levels,), tq_signs=(self.in_features,))
+        return shapes
 
     def _apply(self, fn, recurse=True):
-        # model.to(torch.bfloat16) / .half() must move the norms, never round them.
-        norms = self.tq_norms
+        # model.to(torch.bfloat16) / .half() must move the norms (and a stored codebook and signs), never round them.
+        kept = {n: getattr(self, n) for n in ("tq_norms", "tq_codebook", "tq_signs") if hasattr(self, n)}
         super()._apply(fn, recurse)
-        if self.tq_norms.dtype != norms.dtype:
-            self.tq_norms = norms.to(device=self.tq_norms.device)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if after.dtype != before.dtype:
+                setattr(self, name, before.to(device=after.device))
         return self
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The effective weight `(rows, in_features)` (the product the forward computes, as one matrix)."""
+        if self.rotation == "hadamard":
+            w = codec.rotated_weight(self.tq_packed, self.tq_norms.float(), self.tq_codebook.float(), self.group_size)
+            return rotation_.unrotate_rows(w, self.tq_signs.float()).to(dtype)
         return codec.dequantize_weight(self.tq_packed, self.tq_norms, self.in_features, self.group_size, dtype=dtype)
 
     def extra_repr(self) -> str:
-        return f"rows={self.rows}, in_features={self.in_features}, bits={self.bits}, group_size={self.group_size}"
+        return (f"rows={self.rows}, in_features={self.in_features}, bits={self.bits}, group_size={self.group_size}"
+                + (", rotation=hadamard" if self.rotation == "hadamard" else ""))
 
 
 def to_norms_dtype(norms: torch.Tensor, dtype: torch.dtype, name: str = "norms") -> torch.Tensor:
@@ -115,12 +153,13 @@ class TurboQuantLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device=None,
         norms_dtype=None,
+        rotation: str = "groups",
     ):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.weight = TurboQuantWeight((out_features, in_features), bits, group_size, device=device,
-                                       norms_dtype=norms_dtype)
+                                       norms_dtype=norms_dtype, rotation=rotation)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     @property
@@ -133,6 +172,11 @@ class TurboQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if w.rotation == "hadamard":
+            y = torch.ops.turboquant.hadamard_linear(
+                x, w.tq_packed, w.tq_norms, w.tq_codebook, w.tq_signs, w.group_size, self.in_features
+            )
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         codebook, s1, s2 = format_constants(w.n_levels, w.group_size, w.tq_packed.device)
         y = torch.ops.turboquant.linear(
             x, w.tq_packed, w.tq_norms, codebook, s1, s2, w.group_size, self.in_features
@@ -155,6 +199,10 @@ class TurboQuantExperts(nn.Module):
     its children `gate_up_proj` and `down_proj` give the published names
     (`...experts.gate_up_proj.tq_packed`, rows expert-major, each expert's gate rows before its up rows).
     `forward(hidden_states, top_k_index, top_k_weights)` computes only the routed experts.
+
+    With `rotation="hadamard"` (turboquant-mlx checkpoints, whose gate and up projections each carry their own
+    rotation signs and codebook) the children are `gate_proj` `[E, I, H]`, `up_proj` `[E, I, H]` and `down_proj`
+    `[E, H, I]` instead; `gate_up_bits` may then be a pair (gate bits, up bits).
     """
 
     def __init__(
@@ -168,6 +216,7 @@ class TurboQuantExperts(nn.Module):
         activation: str = "silu",
         device=None,
         norms_dtypes: tuple = (None, None),
+        rotation: str = "groups",
     ):
         super().__init__()
         if activation not in ops.ACTIVATIONS:
@@ -176,6 +225,18 @@ class TurboQuantExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation
+        self.rotation = rotation
+        if rotation == "hadamard":
+            gate_bits, up_bits = gate_up_bits if isinstance(gate_up_bits, (tuple, list)) else (gate_up_bits,) * 2
+            dtypes = tuple(norms_dtypes) + (None,) * (3 - len(norms_dtypes))
+            shapes = {"gate_proj": (num_experts, intermediate_size, hidden_size),
+                      "up_proj": (num_experts, intermediate_size, hidden_size),
+                      "down_proj": (num_experts, hidden_size, intermediate_size)}
+            for (name, shape), bits, dtype in zip(shapes.items(), (gate_bits, up_bits, down_bits), dtypes):
+                gs = group_size[name] if isinstance(group_size, dict) else group_size
+                setattr(self, name, TurboQuantWeight(shape, bits, gs, device=device, norms_dtype=dtype,
+                                                     rotation="hadamard"))
+            return
         self.gate_up_proj = TurboQuantWeight((num_experts, 2 * intermediate_size, hidden_size), gate_up_bits,
                                              group_size, device=device, norms_dtype=norms_dtypes[0])
         self.down_proj = TurboQuantWeight((num_experts, hidden_size, intermediate_size), down_bits, group_size,
@@ -183,9 +244,18 @@ class TurboQuantExperts(nn.Module):
 
     @property
     def group_size(self) -> int:
-        return self.gate_up_proj.group_size
+        return (self.gate_proj if self.rotation == "hadamard" else self.gate_up_proj).group_size
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.rotation == "hadamard":
+            g, u, d = self.gate_proj, self.up_proj, self.down_proj
+            return torch.ops.turboquant.hadamard_moe_experts(
+                hidden_states, top_k_index, top_k_weights,
+                g.tq_packed, g.tq_norms, g.tq_codebook, g.tq_signs,
+                u.tq_packed, u.tq_norms, u.tq_codebook, u.tq_signs,
+                d.tq_packed, d.tq_norms, d.tq_codebook, d.tq_signs,
+                self.num_experts, self.activation,
+            )
         gu, dn = self.gate_up_proj, self.down_proj
         device = gu.tq_packed.device
         cb_gu, s1, s2 = format_constants(gu.n_levels, gu.group_size, device)
@@ -216,12 +286,13 @@ def fused_experts_geometry(module: nn.Module) -> tuple[int, int, int] | None:
 
 def replace_experts_modules(model: nn.Module, plan: dict[str, tuple], awaiting_weights: bool) -> int:
     """Swap each experts module named in `plan`
-    ({name: (gate_up_bits, down_bits, group_size, activation[, (gate_up_norms_dtype, down_norms_dtype)])})."""
+    ({name: (gate_up_bits, down_bits, group_size, activation[, (gate_up_norms_dtype, down_norms_dtype)[, rotation]])})."""
     for name, (gu_bits, dn_bits, group_size, activation, *rest) in plan.items():
         old = model.get_submodule(name)
         e, h, i = fused_experts_geometry(old)
         new = TurboQuantExperts(e, h, i, gu_bits, dn_bits, group_size, activation, device=old.gate_up_proj.device,
-                                norms_dtypes=rest[0] if rest else (None, None))
+                                norms_dtypes=rest[0] if rest else (None, None),
+                                rotation=rest[1] if len(rest) > 1 else "groups")
         if awaiting_weights:
             new.gate_up_proj.awaiting_dtype = old.gate_up_proj.dtype
             new.down_proj.awaiting_dtype = old.down_proj.dtype
@@ -243,6 +314,7 @@ def replace_linear_modules(model: nn.Module, plan: dict[str, tuple], awaiting_we
             dtype=linear.weight.dtype,
             device=linear.weight.device,
             norms_dtype=rest[0] if rest else None,
+            rotation=rest[1] if len(rest) > 1 else "groups",
         )
         if awaiting_weights:
             new.weight.awaiting_dtype = linear.weight.dtype

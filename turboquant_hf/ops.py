@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import codec
+from . import codec, rotation
 
 # Bound on the float32 weight block the reference materialises per step.
 _REFERENCE_BLOCK_ELEMENTS = 1 << 22
@@ -158,6 +158,94 @@ def turboquant_moe_experts(
 @turboquant_moe_experts.register_fake
 def _(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed, down_norms,
       down_codebook, signs1, signs2, group_size, num_experts, activation):
+    return torch.empty_like(hidden)
+
+
+# -- whole-row Hadamard rotation (turboquant-mlx checkpoints) --------------------------------------------------------
+# Same codebook product; only the rotation of the activations differs: one per module over the whole input row
+# (blocks of m * 2^k), with the module's stored +-1 signs, and a per-module codebook tensor.
+
+
+@torch.library.custom_op("turboquant::hadamard_linear", mutates_args=())
+def turboquant_hadamard_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    codebook: torch.Tensor,
+    signs: torch.Tensor,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """`x[..., in_features] @ W.T` for `W = (codebook[idx] * norm) @ T / sqrt(b) * signs` (see `rotation`)."""
+    lead = x.shape[:-1]
+    x_rot = rotation.rotate_rows(x.reshape(-1, in_features).to(torch.float32), signs.float())
+    y = codebook_matmul(x_rot, packed, norms.float(), codebook.float(), group_size)
+    return y.to(x.dtype).reshape(*lead, norms.shape[0])
+
+
+@turboquant_hadamard_linear.register_fake
+def _(x, packed, norms, codebook, signs, group_size, in_features):
+    return x.new_empty(*x.shape[:-1], norms.shape[0])
+
+
+@torch.library.custom_op("turboquant::hadamard_moe_experts", mutates_args=())
+def turboquant_hadamard_moe_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_packed: torch.Tensor,
+    gate_norms: torch.Tensor,
+    gate_codebook: torch.Tensor,
+    gate_signs: torch.Tensor,
+    up_packed: torch.Tensor,
+    up_norms: torch.Tensor,
+    up_codebook: torch.Tensor,
+    up_signs: torch.Tensor,
+    down_packed: torch.Tensor,
+    down_norms: torch.Tensor,
+    down_codebook: torch.Tensor,
+    down_signs: torch.Tensor,
+    num_experts: int,
+    activation: str,
+) -> torch.Tensor:
+    """Routed experts whose gate, up and down projections each carry their own rotation signs and codebook.
+
+    `gate`/`up` hold `num_experts * I` rows over the hidden size, `down` `num_experts * H` rows over I (rows
+    expert-major); group sizes follow from the norms' shapes. Only routed experts are read.
+    """
+    t, h = hidden.shape
+    inter = gate_norms.shape[0] // num_experts
+    g_h = h // gate_norms.shape[1]
+    g_i = inter // down_norms.shape[1]
+    ng_h, ng_i = gate_norms.shape[1], down_norms.shape[1]
+    act = ACTIVATIONS[activation]
+    x = hidden.to(torch.float32)
+    x_gate = rotation.rotate_rows(x, gate_signs.float())  # once per token, shared by all its experts
+    x_up = x_gate if torch.equal(gate_signs, up_signs) else rotation.rotate_rows(x, up_signs.float())
+    d_signs = down_signs.float()
+    tokens, slots, counts = expert_groups(top_k_index, num_experts)
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        tok, slot = tokens[start : start + n], slots[start : start + n]
+        start += n
+        rows_i = slice(e * inter, (e + 1) * inter)
+        gate = codebook_matmul(x_gate[tok], gate_packed[e * inter * ng_h : (e + 1) * inter * ng_h],
+                               gate_norms[rows_i].float(), gate_codebook.float(), g_h)
+        up = codebook_matmul(x_up[tok], up_packed[e * inter * ng_h : (e + 1) * inter * ng_h],
+                             up_norms[rows_i].float(), up_codebook.float(), g_h)
+        mid = rotation.rotate_rows(act(gate) * up, d_signs)
+        y = codebook_matmul(mid, down_packed[e * h * ng_i : (e + 1) * h * ng_i],
+                            down_norms[e * h : (e + 1) * h].float(), down_codebook.float(), g_i)
+        out.index_add_(0, tok, y * top_k_weights[tok, slot, None].float())
+    return out.to(hidden.dtype)
+
+
+@turboquant_hadamard_moe_experts.register_fake
+def _(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs, up_packed, up_norms,
+      up_codebook, up_signs, down_packed, down_norms, down_codebook, down_signs, num_experts, activation):
     return torch.empty_like(hidden)
 
 

@@ -17,6 +17,7 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
+from . import mlx
 from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
 from .modules import (
     TurboQuantExperts,
@@ -92,6 +93,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         self.checkpoint_index: dict = {}
         self.conversion_failures: dict[str, str] = {}
         self.dequantize_into: dict[str, str] = {}
+        self.mlx_layout: mlx.MLXLayout | None = None
 
     # -- environment ---------------------------------------------------------------------------------------------
     def validate_environment(self, *args, **kwargs):
@@ -106,6 +108,9 @@ class TurboQuantHfQuantizer(HfQuantizer):
     # -- before loading ------------------------------------------------------------------------------------------
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         self.checkpoint_index = ckpt.read_checkpoint_index(checkpoint_files)
+        if mlx.is_mlx_checkpoint(self.checkpoint_index):
+            self._prepare_mlx_checkpoint(model)
+            return
         packed_keys = ckpt.packed_weight_keys(self.checkpoint_index)
         if packed_keys and not self.pre_quantized:
             # A tq3_native checkpoint whose config.json has no quantization_config: the files decide.
@@ -129,6 +134,32 @@ class TurboQuantHfQuantizer(HfQuantizer):
         if not self.pre_quantized:
             _resolve_placeholders_while_loading(model)
         model._turboquant_original_model = getattr(model.config, "_name_or_path", None)
+
+    def _prepare_mlx_checkpoint(self, model) -> None:
+        """A turboquant-mlx checkpoint: plan its modules, and read every tensor ourselves after loading."""
+        from collections import Counter
+
+        from .rotation import HADAMARD_FORMAT
+
+        config = model.config
+        layout = mlx.MLXLayout(self.checkpoint_index, model_type=getattr(config, "model_type", None))
+        linear_plan, experts_plan = layout.plan(model)
+        self.pre_quantized = True
+        if self.quantization_config.format != HADAMARD_FORMAT:
+            # (config.json without its MLX quantization block): describe what the files hold
+            tiers = Counter((i["levels"], i["group_size"]) for i in layout.quantized.values())
+            (levels, group_size), _ = tiers.most_common(1)[0]
+            self.quantization_config = TurboQuantConfig(bits=fmt.bits_for_levels(levels), group_size=group_size,
+                                                        format=HADAMARD_FORMAT)
+            config.quantization_config = self.quantization_config
+        self.modules_to_not_convert = None
+        replace_linear_modules(model, linear_plan, awaiting_weights=False)
+        replace_experts_modules(model, experts_plan, awaiting_weights=False)
+        unexpected, missing = layout.ignore_patterns()
+        model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | unexpected
+        model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | missing
+        self.mlx_layout = layout
+        model._turboquant_original_model = getattr(config, "_name_or_path", None)
 
     def _skip_patterns(self, model) -> list[str]:
         skip = self.quantization_config.modules_to_not_convert
@@ -178,6 +209,10 @@ class TurboQuantHfQuantizer(HfQuantizer):
         activation = self._activation(model)
         linear_plan, experts_plan, experts_keys = {}, {}, {}
         self.dequantize_into = {}
+        hadamard_keys = [k for k in packed_keys if k + ".tq_signs" in self.checkpoint_index]
+        if hadamard_keys:
+            self._plan_hadamard_keys(model, hadamard_keys, meta, activation, linear_plan, experts_plan)
+            packed_keys = [k for k in packed_keys if k not in set(hadamard_keys)]
         for key, model_key in checkpoint_to_model_keys(model, packed_keys, meta).items():
             if model_key not in meta:
                 if any(p.search(key) or p.search(model_key) for p in ignore):
@@ -229,6 +264,53 @@ class TurboQuantHfQuantizer(HfQuantizer):
             )
         return linear_plan, experts_plan
 
+    def _plan_hadamard_keys(self, model, keys, meta, activation, linear_plan, experts_plan) -> None:
+        """Modules saved with whole-row Hadamard rotation (models loaded from turboquant-mlx checkpoints)."""
+        probes, is_experts = {}, {}
+        for key in keys:
+            parent, _, leaf = key.rpartition(".")
+            is_experts[key] = parent.endswith(".experts") and leaf in ("gate_proj", "up_proj", "down_proj")
+            # (the model has no `experts.gate_proj`: rename a name it has, like its siblings)
+            probes[key] = (parent + ".down_proj") if is_experts[key] else key
+        renamed = checkpoint_to_model_keys(model, list(probes.values()), meta)
+        experts_parts: dict[str, dict] = {}
+        for key in keys:
+            model_key = renamed[probes[key]]
+            owner_name = model_key.rpartition(".")[0]
+            try:
+                owner = model.get_submodule(owner_name)
+            except AttributeError:
+                owner = None
+            if is_experts[key]:
+                geometry = fused_experts_geometry(owner) if owner is not None else None
+                if geometry is None:
+                    raise ckpt.CheckpointError(f"{key}.tq_packed: no fused experts module {owner_name} in "
+                                               f"{type(model).__name__}")
+                e, h, i = geometry
+                leaf = key.rpartition(".")[2]
+                rows, width = (e * h, i) if leaf == "down_proj" else (e * i, h)
+                experts_parts.setdefault(owner_name, {})[leaf] = (key,) + ckpt.check_hadamard_tensor(
+                    self.checkpoint_index, key, rows, width)
+            elif type(owner) is nn.Linear and model_key.endswith(".weight"):
+                n_levels, group_size, norms_dtype = ckpt.check_hadamard_tensor(
+                    self.checkpoint_index, key, owner.out_features, owner.in_features)
+                linear_plan[owner_name] = (fmt.bits_for_levels(n_levels), group_size, norms_dtype, "hadamard")
+            else:
+                raise ckpt.CheckpointError(f"{key}.tq_packed: no matching Linear layer in {type(model).__name__}")
+        for name, parts in experts_parts.items():
+            for leaf in ("gate_proj", "up_proj", "down_proj"):
+                if leaf not in parts:
+                    raise ckpt.CheckpointError(f"checkpoint is missing {name}.{leaf}.tq_packed (needed for the "
+                                               f"quantized experts {name})")
+            experts_plan[name] = (
+                (fmt.bits_for_levels(parts["gate_proj"][1]), fmt.bits_for_levels(parts["up_proj"][1])),
+                fmt.bits_for_levels(parts["down_proj"][1]),
+                {leaf: parts[leaf][2] for leaf in parts},
+                activation,
+                tuple(parts[leaf][3] for leaf in ("gate_proj", "up_proj", "down_proj")),
+                "hadamard",
+            )
+
     # -- during loading ------------------------------------------------------------------------------------------
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:
@@ -250,6 +332,10 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
     # -- after loading -------------------------------------------------------------------------------------------
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.mlx_layout is not None:
+            self.mlx_layout.load_into(model)
+            # the MLX block would describe the saved files wrongly; quantization_config describes them
+            model.config.__dict__.pop("quantization", None)
         if self.conversion_failures:
             raise ValueError("TurboQuant could not quantize: " + "; ".join(self.conversion_failures.values()))
         for name, module in model.named_modules():
