@@ -30,6 +30,20 @@ def _cuda_linear(x, packed, norms, codebook, signs1, signs2, group_size, in_feat
     return linear.linear(x, packed, norms, codebook, signs1, signs2, group_size, in_features)
 
 
+def _cuda_hadamard_linear(x, packed, norms, codebook, signs, group_size, in_features):
+    # whole-row Hadamard rotation (turboquant-mlx checkpoints) in torch, then the same codebook product
+    from turboquant_hf import rotation
+
+    from . import linear
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)
+    if x2.shape[0] == 0:
+        return x.new_empty(*lead, norms.shape[0])
+    x_rot = rotation.rotate_rows(x2.float(), signs.float())
+    return linear.product(x_rot, packed, norms, codebook, group_size, x.dtype).reshape(*lead, norms.shape[0])
+
+
 def registered() -> bool:
     """True when the Triton kernels serve `torch.ops.turboquant.linear` for CUDA tensors."""
     return _registered
@@ -48,6 +62,8 @@ def register() -> bool:
         # the op is defined in turboquant_hf.ops, which imports this package at its end
         from turboquant_hf import ops  # noqa: F401
     torch.library.register_kernel("turboquant::linear", "cuda")(_cuda_linear)
+    if hasattr(torch.ops.turboquant, "hadamard_linear"):
+        torch.library.register_kernel("turboquant::hadamard_linear", "cuda")(_cuda_hadamard_linear)
     _registered = True
     return True
 

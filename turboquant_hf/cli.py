@@ -1,4 +1,4 @@
-"""`turboquant-hf`: quantize, push, card, plan and eval from the command line (`python -m turboquant_hf` too)."""
+"""`turboquant-hf`: quantize, push, card, plan, eval and convert from the command line (`python -m turboquant_hf` too)."""
 
 from __future__ import annotations
 
@@ -559,6 +559,58 @@ def cmd_eval(args, argv) -> int:
     return EXIT_OK
 
 
+def cmd_convert(args, argv) -> int:
+    """A turboquant-mlx checkpoint (or one saved from it) requantized into the vLLM-servable tq3_native layout."""
+    if not os.path.isdir(args.src):
+        raise CliError(f"convert: {args.src}: not a local folder")
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and not args.force:
+        raise CliError(f"convert: --out {args.out} exists (use --force to replace it)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import TurboQuantConfig
+    from .mlx import to_tq3_native
+
+    _say(args, f"loading {args.src}")
+    try:
+        with open(os.path.join(args.src, "config.json")) as f:
+            declared = "quantization_config" in json.load(f)
+    except (OSError, ValueError) as e:
+        raise CliError(f"convert: {args.src}: no readable config.json ({e})") from e
+    # (an explicit quantization_config=None would erase the one config.json declares)
+    extra = {} if declared else {"quantization_config": TurboQuantConfig()}
+    model = AutoModelForCausalLM.from_pretrained(
+        args.src, dtype=getattr(torch, args.dtype) if args.dtype != "auto" else "auto", **extra)
+    try:
+        report = to_tq3_native(model, group_size=args.group_size)
+    except ValueError as e:
+        raise CliError(f"convert: {args.src}: {e}") from e
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out) + ".", dir=os.path.dirname(out))
+    try:
+        model.save_pretrained(tmp)
+        try:
+            AutoTokenizer.from_pretrained(args.src).save_pretrained(tmp)
+        except Exception as e:  # a checkpoint without a loadable tokenizer still converts
+            _say(args, f"(tokenizer not copied: {e})")
+        with open(os.path.join(tmp, "turboquant_convert.json"), "w") as f:
+            json.dump({"source": os.path.abspath(args.src), "to": args.to, **report}, f, indent=2)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    worst = max(report["layers"], key=lambda x: x["relative_error"])
+    result = {"out": out, "to": args.to, "layers": len(report["layers"]), "relative_error": report["relative_error"],
+              "max_relative_error": report["max_relative_error"], "worst_layer": worst["name"],
+              "per_layer": report["layers"]}
+    _emit(args, result, f"converted {len(report['layers'])} layers to {args.to} in {out}; error added to the MLX "
+                        f"weights (relative, all layers): {report['relative_error']:.4f}, worst "
+                        f"{worst['relative_error']:.4f} ({worst['name']})")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # argument parsing
 def _add_recipe_args(p, default_bits: bool = True) -> None:
@@ -660,6 +712,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the result in DIR/turboquant_eval.json and rewrite DIR/README.md with it")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("convert", formatter_class=fmt_cls, epilog=_EPILOG,
+                       help="requantize a turboquant-mlx checkpoint into the tq3_native layout (lossy)",
+                       description="Load SRC, a turboquant-mlx checkpoint (or a folder saved from one), requantize "
+                                   "each of its quantized layers at its own tier into tq3_native (per-group seed-42 "
+                                   "rotation, as the vLLM plugin serves), save it in --out, and report the error "
+                                   "this adds to the MLX weights (also in --out/turboquant_convert.json).")
+    p.add_argument("src", help="a local folder")
+    p.add_argument("--to", required=True, choices=("tq3_native",), help="the target layout")
+    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    p.add_argument("--group-size", type=int, choices=(64, 128, 256), default=None,
+                   help="tq3_native group size (default: each layer's own, or 64)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="dtype of the layers kept in full precision (default: the checkpoint's)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 

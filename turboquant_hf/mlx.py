@@ -5,7 +5,8 @@ digits per word for ternary, running across the whole row), `P.scales` (per-grou
 its length gives the tier: 3 ternary, 4/8/16 for 2/3/4 bits) and `P.signs` (f16 `(in,)`, the row rotation's
 signs). Loading repacks the indices losslessly into the per-group byte layout of `codec` (the scales become the
 norms, the codebook and signs are kept as they are), so the modules compute exactly what the file describes:
-`W = (codebook[idx] * scale) @ T / sqrt(b) * signs` (see `rotation`). Nothing is dequantized or requantized.
+`W = (codebook[idx] * scale) @ T.T / sqrt(b) * signs` per block of b inputs (see `rotation`). Nothing is
+dequantized or requantized.
 
 MLX names differ from transformers': experts are stacked under `mlp.switch_mlp.{gate,up,down}_proj`,
 Qwen3.5/3.6 use `language_model.model.*` / `language_model.lm_head`, `conv1d.weight` is `(C, K, 1)`, and the
@@ -364,3 +365,78 @@ def accept_mlx_quantization_blocks() -> None:
 
     supports_quant_method._turboquant_mlx = True
     AutoHfQuantizer.supports_quant_method = staticmethod(supports_quant_method)
+
+
+def _native_group_size(group_size: int) -> int:
+    return group_size if group_size in fmt.GROUP_SIZES else fmt.GROUP_SIZES[0]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(||a - b||^2, ||b||^2) in float64."""
+    return float((a.double() - b.double()).pow(2).sum()), float(b.double().pow(2).sum())
+
+
+def to_tq3_native(model: nn.Module, group_size: int | None = None) -> dict:
+    """Requantize every whole-row-Hadamard module of `model` (loaded from a turboquant-mlx checkpoint) into the
+    tq3_native layout, in place, keeping each module's tier (ternary, 2, 3 or 4 bits). Lossy: each effective
+    weight is quantized again. Returns the measured error added, per layer and overall
+    (`||W_native - W_mlx|| / ||W_mlx||`).
+
+    `group_size`: tq3_native's G (64, 128, 256); default: each module's own when valid, else 64."""
+    from collections import Counter
+
+    from . import codec
+    from .config import TurboQuantConfig
+    from .modules import TurboQuantExperts, TurboQuantLinear
+
+    if group_size is not None:
+        fmt.check_group_size(group_size)
+    layers, total_err, total_ref = [], 0.0, 0.0
+    tiers = Counter()
+
+    def requantize(name, source: torch.Tensor, bits, g):
+        nonlocal total_err, total_ref
+        packed, norms = codec.quantize_weight(source, bits, g, name=name)
+        native = codec.dequantize_weight(packed, norms, source.shape[-1], g).view(source.shape)
+        err, ref = _relative(native, source)
+        total_err, total_ref = total_err + err, total_ref + ref
+        layers.append({"name": name, "bits": bits, "group_size": g,
+                       "relative_error": math.sqrt(err / ref) if ref else 0.0})
+        tiers[bits, g] += source.numel()
+        return packed, norms
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, TurboQuantLinear) and module.weight.rotation == "hadamard":
+            w = module.weight
+            g = group_size or _native_group_size(w.group_size)
+            bias = module.bias
+            new = TurboQuantLinear(module.in_features, module.out_features, bias=bias is not None, bits=w.bits,
+                                   group_size=g, dtype=bias.dtype if bias is not None else torch.float32,
+                                   device=w.device)
+            if bias is not None:
+                new.bias = bias
+            new.weight.load_packed_(*requantize(name + ".weight", w.dequantize(), w.bits, g))
+            model.set_submodule(name, new)
+        elif isinstance(module, TurboQuantExperts) and module.rotation == "hadamard":
+            parts = {leaf: getattr(module, leaf) for leaf in _EXPERT_PROJECTIONS}
+            e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
+            g = group_size or _native_group_size(parts["gate_proj"].group_size)
+            gate_up = torch.cat([parts["gate_proj"].dequantize().view(e, i, h),
+                                 parts["up_proj"].dequantize().view(e, i, h)], dim=1)
+            # tq3_native fuses gate and up into one tensor of one tier: the finer of the two
+            gu_bits = max(parts["gate_proj"].bits, parts["up_proj"].bits)
+            down_bits = parts["down_proj"].bits
+            new = TurboQuantExperts(e, h, i, gu_bits, down_bits, g, module.activation, device=parts["down_proj"].device)
+            new.gate_up_proj.load_packed_(*requantize(name + ".gate_up_proj", gate_up, gu_bits, g))
+            new.down_proj.load_packed_(*requantize(name + ".down_proj", parts["down_proj"].dequantize().view(e, h, i),
+                                                   down_bits, g))
+            model.set_submodule(name, new)
+    if not layers:
+        raise ValueError("the model holds no whole-row-Hadamard (turboquant-mlx) modules to convert")
+    (bits, g), _ = tiers.most_common(1)[0]
+    cfg = TurboQuantConfig(bits=bits, group_size=g)
+    model.config.quantization_config = cfg
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.quantization_config = cfg
+    return {"layers": layers, "relative_error": math.sqrt(total_err / total_ref) if total_ref else 0.0,
+            "max_relative_error": max(x["relative_error"] for x in layers)}

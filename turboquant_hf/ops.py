@@ -176,7 +176,7 @@ def turboquant_hadamard_linear(
     group_size: int,
     in_features: int,
 ) -> torch.Tensor:
-    """`x[..., in_features] @ W.T` for `W = (codebook[idx] * norm) @ T / sqrt(b) * signs` (see `rotation`)."""
+    """`x[..., in_features] @ W.T` for `W = (codebook[idx] * norm) @ T.T / sqrt(b) * signs` (see `rotation`)."""
     lead = x.shape[:-1]
     x_rot = rotation.rotate_rows(x.reshape(-1, in_features).to(torch.float32), signs.float())
     y = codebook_matmul(x_rot, packed, norms.float(), codebook.float(), group_size)
