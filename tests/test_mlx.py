@@ -254,6 +254,8 @@ def test_save_reload_is_bit_exact(fixtures, kind, recipe, tmp_path):
     assert config["quantization_config"]["format"] == rotation.HADAMARD_FORMAT and "quantization" not in config
     with open(tmp_path / "tq_config.json") as f:
         assert json.load(f)["format"] == rotation.HADAMARD_FORMAT
+    card = (tmp_path / "README.md").read_text()
+    assert "- tq_hadamard" in card and "tq3_native" not in card  # not advertised as vLLM-servable
     saved = load_file(tmp_path / "model.safetensors")
     assert not [k for k in saved if saved[k].dtype == torch.uint32]
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -404,3 +406,44 @@ def test_affine_module_in_a_turboquant_checkpoint_is_named(fixtures, tmp_path):
     path = _copy_checkpoint(d, tmp_path / "a", edit_tensors=edit)
     with pytest.raises(CheckpointError, match=rf"{name}.biases: .* MLX affine-quantized"):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+_KERNEL_CHECK = r"""
+import torch
+import turboquant_hf.kernels as k
+from turboquant_hf import codec, ops
+assert k._cuda_hadamard_linear is not None
+worst = 0.0
+for n_levels in (3, 8, 16):
+    for g in (16, 32, 64):
+        n, width = 24, 5 * g
+        gen = torch.Generator().manual_seed(n_levels * g)
+        idx = torch.randint(0, n_levels, (n * 5, g), generator=gen)
+        packed = codec.pack_indices(idx, n_levels)
+        cb = torch.sort(torch.randn(n_levels, generator=gen)).values.half()
+        norms = (torch.rand(n, 5, generator=gen) + 0.1).half()
+        signs = (torch.randint(0, 2, (width,), generator=gen) * 2 - 1).half()
+        for m in (1, 5, 40):
+            x = torch.randn(2, m, width, generator=gen)
+            ref = ops.turboquant_hadamard_linear(x, packed, norms, cb, signs, g, width)
+            y = k._cuda_hadamard_linear(x, packed, norms, cb, signs, g, width)
+            assert y.shape == ref.shape
+            rel = ((y - ref).norm() / ref.norm()).item()
+            assert rel < 1e-5, (n_levels, g, m, rel)
+            worst = max(worst, rel)
+print("worst", worst)
+"""
+
+
+def test_cuda_implementation_under_the_triton_interpreter():
+    """The CUDA implementation of turboquant::hadamard_linear (torch rotation + kernels.linear.product), run on CPU
+    tensors by Triton's interpreter in a fresh process, equals the reference for ternary, 3 and 4 bits, G = 16..64."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], capture_output=True, text=True, env=env,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "worst" in result.stdout

@@ -377,7 +377,8 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
     pipeline_tag = "image-text-to-text" if arch.endswith("ForConditionalGeneration") and "vision_config" in config \
         else "text-generation"
     bit_tags = [bits_tag(t["bits"]) for t in size["tiers"]]
-    tags = ["turboquant", "quantized", fmt.FORMAT_NAME] + bit_tags + ([config["model_type"]] if "model_type" in config
+    layout = (qc or {}).get("format") or tq.get("format") or fmt.FORMAT_NAME  # tq_hadamard: loaded from MLX
+    tags = ["turboquant", "quantized", layout] + bit_tags + ([config["model_type"]] if "model_type" in config
                                                                        else [])
     front: dict[str, Any] = {}
     if base_model:
@@ -397,7 +398,7 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
         how = "TurboQuant at " + " / ".join(t["label"] for t in tiers)
     name = name or os.path.basename(os.path.normpath(directory))
     repo_ref = repo_id or f"<your-namespace>/{name}"
-    summary = (f"**{base_name}** with its Linear weights quantized to {how} (`{fmt.FORMAT_NAME}`, groups of "
+    summary = (f"**{base_name}** with its Linear weights quantized to {how} (`{layout}`, groups of "
                f"{size['group_size']}): {human_bytes(size['total_bytes'])} of weights instead of "
                f"{human_bytes(size['base_bytes'])}, loaded by plain 🤗 transformers once `turboquant_hf` is imported.")
 
@@ -466,7 +467,7 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
         "front_matter": yaml.safe_dump(front, sort_keys=False, allow_unicode=True).strip(),
         "front": front, "title": f"{base_name} — TurboQuant {' / '.join(bits_tag(t['bits']) for t in tiers)}",
         "summary": summary, "base_model": base_model, "base_name": base_name, "hub_url": hub_url,
-        "format": fmt.FORMAT_NAME, "size": size_ctx, "group_size": size["group_size"],
+        "format": layout, "size": size_ctx, "group_size": size["group_size"],
         "base_dtype": size["base_dtype"], "base_bits": 8 * size["base_dtype_bytes"],
         "repo_id": repo_ref, "pipeline_tag": pipeline_tag, "base_ref": base_ref, "quality": quality,
         "memory": memory, "quantization_config_json": json.dumps(qc, indent=2), "command": command,
