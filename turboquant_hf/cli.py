@@ -144,6 +144,92 @@ def _command_line(argv) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # quantize
+def _parse_size(value: str) -> int:
+    """Bytes from `24GB`, `24GiB`, `500MB`, `2.5e10` or `1000000`."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 10**3, "M": 10**6,
+             "G": 10**9, "T": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    text = value.strip().upper().replace(" ", "")
+    number = text.rstrip("KMGTIB")
+    try:
+        size = float(number) * units[text[len(number):]]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size (examples: 24GB, 512MiB, 2e9)") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: a size must be positive")
+    return int(size)
+
+
+def _source_bytes(src: str) -> int | None:
+    """Bytes of the safetensors weights of a local folder or a Hub repo (None when the Hub cannot tell)."""
+    from . import card as tq_card
+
+    if os.path.isdir(src):
+        return sum(os.path.getsize(f) for f in tq_card.safetensors_files(src))
+    try:
+        info = _hub_api().model_info(src, files_metadata=True)
+        sizes = [s.size for s in info.siblings or [] if s.rfilename.endswith(".safetensors")]
+        return sum(sizes) if sizes and None not in sizes else None
+    except Exception:  # offline, or a Hub without file metadata: the in-memory path decides for itself
+        return None
+
+
+def _use_streaming(args) -> tuple[bool, str]:
+    """(use the streaming converter?, why) from --streaming/--resume, or the model's size against the budget."""
+    from .converter import _available_memory
+
+    if args.streaming or args.resume:
+        return True, "--resume" if args.resume and not args.streaming else "--streaming"
+    budget = args.max_memory if args.max_memory is not None else _available_memory()
+    size = _source_bytes(args.src)
+    if budget is not None and size is not None and size > budget:
+        from .card import human_bytes
+
+        which = "--max-memory" if args.max_memory is not None else "the available memory"
+        return True, f"the weights ({human_bytes(size)}) exceed {which} ({human_bytes(budget)})"
+    return False, ""
+
+
+def _quantize_streaming(args, argv, cfg, recipe, out: str, why: str) -> int:
+    """`quantize` through the streaming converter: tensor by tensor, shards written as they are complete."""
+    from . import card as tq_card
+    from .converter import ConversionError, TurboQuantizer
+
+    _say(args, f"streaming conversion ({why})")
+    progress = False if args.json else None
+    try:
+        converter = TurboQuantizer.from_pretrained(args.src)
+        summary = converter.quantize(
+            out, quantization_config=cfg, max_shard_size=args.max_shard_size, max_memory=args.max_memory,
+            device=None if args.device == "auto" else args.device, progress=progress, resume=args.resume,
+            overwrite=args.force, dtype=args.dtype, base_model=args.base_model,
+            build_info={"command": _command_line(argv), "recipe": recipe, "repo_id": args.push_to_hub})
+    except (ConversionError, FileExistsError, ValueError) as e:
+        raise CliError(str(e)) from e
+    if args.eval:
+        _evaluate(out, args.src, args.eval, args.max_tokens, args.window, write=True)
+        tq_card.write_card(out, base_model=args.base_model, repo_id=args.push_to_hub, name=os.path.basename(out))
+    size = tq_card.checkpoint_summary(out)
+    result = {"out": out, "bytes": size["total_bytes"], "base_bytes": size["base_bytes"],
+              "bits_per_weight": size["bits_per_weight"], "quantization_config": cfg.to_dict(),
+              "converter": "streaming", "summary": summary.as_dict()}
+    evaluation = os.path.join(out, tq_card.EVAL_NAME)
+    if os.path.isfile(evaluation):
+        with open(evaluation) as f:
+            result["eval"] = json.load(f)
+    if args.push_to_hub:
+        result["push"] = _push(out, args.push_to_hub, args.private, None, args)
+    text = (f"wrote {out}: {tq_card.human_bytes(size['total_bytes'])} (base {tq_card.human_bytes(size['base_bytes'])}),"
+            f" {size['bits_per_weight']} bits per quantized weight")
+    if "eval" in result:
+        e = result["eval"]
+        text += (f"\nperplexity {e['base_perplexity']:.3f} -> {e['quantized_perplexity']:.3f}, mean KL "
+                 f"{e['mean_kl']:.4f} on {e['tokens']} tokens")
+    if "push" in result:
+        text += f"\npushed to {result['push']['url']}"
+    _emit(args, result, text)
+    return EXIT_OK
+
+
 def cmd_quantize(args, argv) -> int:
     from . import card as tq_card
 
@@ -155,6 +241,9 @@ def cmd_quantize(args, argv) -> int:
         raise CliError(f"{args.src}: neither a local directory nor a Hub repo id (namespace/name)")
     if args.eval and not os.path.isfile(args.eval):
         raise CliError(f"--eval {args.eval}: no such file")
+    streaming, why = _use_streaming(args)
+    if streaming:
+        return _quantize_streaming(args, argv, cfg, recipe, out, why)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
@@ -206,7 +295,8 @@ def cmd_quantize(args, argv) -> int:
         bar.close()
     size = tq_card.checkpoint_summary(out)
     result = {"out": out, "bytes": size["total_bytes"], "base_bytes": size["base_bytes"],
-              "bits_per_weight": size["bits_per_weight"], "quantization_config": cfg.to_dict()}
+              "bits_per_weight": size["bits_per_weight"], "quantization_config": cfg.to_dict(),
+              "converter": "from_pretrained"}
     evaluation = os.path.join(out, tq_card.EVAL_NAME)
     if os.path.isfile(evaluation):
         with open(evaluation) as f:
@@ -642,7 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load SRC (a local folder or a Hub repo) with a TurboQuant quantization_config, "
                                    "quantize it while it loads, and save the checkpoint, tokenizer and model card in "
                                    "--out. The output is written to a hidden temporary folder beside --out and renamed "
-                                   "at the end: an interrupted run leaves no --out behind.")
+                                   "at the end: an interrupted run leaves no --out behind. Models larger than the "
+                                   "memory budget (or any, with --streaming) go through the streaming converter: "
+                                   "tensor by tensor into shards, with --resume after an interruption.")
     p.add_argument("src", help="base model: a local folder or a Hub repo id")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     _add_recipe_args(p)
@@ -657,6 +749,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-to-hub", metavar="REPO", help="push the result to this Hub repo when done")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
+    g = p.add_argument_group("streaming conversion (a local safetensors folder, tensor by tensor, bounded memory)")
+    g.add_argument("--streaming", action="store_true",
+                   help="use the streaming converter whatever the model's size (default: only when the weights "
+                        "exceed --max-memory, or the available memory)")
+    g.add_argument("--max-memory", type=_parse_size, metavar="SIZE",
+                   help="memory budget, e.g. 24GB: larger models are converted tensor by tensor, using at most this "
+                        "much working memory; refused if smaller than the largest tensor")
+    g.add_argument("--resume", action="store_true",
+                   help="continue an interrupted streaming conversion into the same --out from its finished shards")
+    g.add_argument("--max-shard-size", type=_parse_size, default=5 * 10**9, metavar="SIZE",
+                   help="largest output shard (default 5GB)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_quantize)
 

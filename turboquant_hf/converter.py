@@ -3,29 +3,42 @@
 `TurboQuantizer.from_pretrained(src).quantize(save_dir, quantization_config=cfg)` writes the same tensors that
 `from_pretrained(src, quantization_config=cfg)` followed by `save_pretrained(save_dir)` would, without ever
 holding the model: the module replacement runs on the meta device to decide what is quantized, then each
-source tensor is read lazily (`safe_open`), quantized on the best device available, and appended to the
-current output shard. Output goes to a temporary folder beside `save_dir`, renamed into place at the end.
+source tensor is read in slices of rows with plain file reads (no memory map, so nothing of the source stays
+resident), quantized on the best device available, and written straight to its place in the output shard.
+
+Memory: the working set is a few slices of rows (about 32 bytes per weight of a slice, slices of about a
+million weights on CPU), whatever the size of the tensors or of the model; `max_memory` caps it.
+
+Safety: the layout of every output shard is computed from the source headers before any work, and the
+shards are written into `.NAME.partial` beside `save_dir`, each renamed from `*.tmp` once complete and synced.
+The folder is renamed to `save_dir` at the very end, so an interrupted run never leaves an output that looks
+complete; `resume=True` keeps the finished shards of an interrupted run and writes only the rest (the bytes are
+the same as an uninterrupted run's). Errors remove the temporary folder; an interruption (Ctrl-C, SIGTERM,
+SIGKILL) keeps it for `resume`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+import struct
+import sys
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
 from .config import TurboQuantConfig
-from .modules import TurboQuantWeight, to_norms_dtype
 
 try:  # optimum's quantizer interface, when the installed optimum has it
     from optimum.quantization_base import OptimumQuantizer as _QuantizerBase
@@ -38,6 +51,36 @@ _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 _COPIED_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
 _SKIPPED_FILES = {"model.safetensors.index.json", "config.json", "README.md", fmt.TQ_CONFIG_NAME}
+INDEX_NAME = "model.safetensors.index.json"
+STATE_NAME = "turboquant_convert.json"  # the layout record of a run, kept in the temporary folder for resume
+
+# dtypes of safetensors, with torch's equivalent; floating-point ones are what can be quantized
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                 "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                 "BOOL": torch.bool}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        _TORCH_DTYPES[_name] = getattr(torch, _attr)
+_QUANTIZABLE = ("BF16", "F16", "F32", "F64")
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+# the order in which safetensors' own writer lays tensors out (largest alignment first), so that our shards are
+# byte for byte what `safetensors.torch.save_file` writes for the same tensors
+_DTYPE_RANK = {d: i for i, d in enumerate(["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16",
+                                           "I32", "U32", "F32", "F64", "I64", "U64"])}
+# names of the scale tensors that quantized (FP8, block-scaled) checkpoints carry beside their weights
+_SCALE_TENSOR = re.compile(r"^(.*)\.(weight_scale_inv|weight_scale|weight_scale_2|input_scale)$")
+
+# Working memory per weight of a slice being quantized: the source slice and a prefetched one, float32 rows,
+# rotated values, indices, the codebook values of the norm correction and its int64 gather index.
+_BYTES_PER_ELEMENT = 32
+_CPU_SLICE = 1 << 18  # weights per slice on CPU: its temporaries (8 MB) stay in the caches
+_CUDA_SLICE = 1 << 26
+_COPY_SLICE = 1 << 20  # bytes per slice of a tensor copied as it is (small: see _convert on memory)
+
+
+class ConversionError(ckpt.CheckpointError):
+    """The source cannot be converted (bad or unsupported input); nothing was written."""
 
 
 @dataclass
@@ -48,45 +91,447 @@ class ConversionSummary:
     bytes_out: int = 0
     seconds: float = 0.0
     shards: list = field(default_factory=list)
+    shards_resumed: int = 0  # finished shards of an interrupted run that were kept
+    params_processed: int = 0  # weights read and written by this run (less than the total after a resume)
+    device: str = "cpu"
+    peak_rss_before: int = 0  # the process's peak resident memory before the tensor work (libraries loaded), bytes
+    peak_rss: int = 0  # ... and after it: the difference is the most the tensor work needed
 
     @property
     def bits_per_weight(self) -> float:
         total = self.params_quantized + self.params_kept
         return 8 * self.bytes_out / total if total else 0.0
 
+    @property
+    def params_per_second(self) -> float:
+        return self.params_processed / self.seconds if self.seconds else 0.0
+
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["bits_per_weight"] = self.bits_per_weight
-        d["params_per_second"] = (self.params_quantized + self.params_kept) / self.seconds if self.seconds else 0.0
+        d["params_per_second"] = self.params_per_second
         return d
 
+    def text(self) -> str:
+        from .card import human_bytes, human_count
 
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}.get(name)
+        resumed = f", {self.shards_resumed} of them kept from the interrupted run" if self.shards_resumed else ""
+        return (f"quantized {human_count(self.params_quantized)} params, kept {human_count(self.params_kept)} in "
+                f"full precision; {human_bytes(self.bytes_in)} in, {human_bytes(self.bytes_out)} out in "
+                f"{len(self.shards)} shard{'s' if len(self.shards) != 1 else ''}{resumed}; "
+                f"{self.bits_per_weight:.3f} bits per weight; {self.seconds:.1f} s, "
+                f"{human_count(self.params_per_second)} params/s on {self.device}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading the source: headers, and rows of a tensor with plain reads
+@dataclass
+class _SourceTensor:
+    name: str
+    file: str
+    dtype: str
+    shape: tuple
+    start: int  # absolute offset of the data in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ckpt._DTYPE_BYTES[self.dtype]
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1]) if self.shape else 1
+
+    @property
+    def row_width(self) -> int:
+        return self.shape[-1] if self.shape else 1
+
+
+def _read_header(path: str) -> dict[str, _SourceTensor]:
+    """Every tensor of one .safetensors file, after checking that the header is whole and consistent."""
+    size = os.path.getsize(path)
+
+    def bad(why):
+        return ConversionError(f"{path}: {why}")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise bad(f"corrupted safetensors header (it claims {n} bytes, the file has {size})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"corrupted safetensors header (not readable JSON: {e})") from e
+    header.pop("__metadata__", None)
+    out, spans = {}, []
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, stop) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            start, stop = int(start), int(stop)
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"corrupted safetensors header: entry {name!r} is malformed ({e!r})") from e
+        if dtype not in ckpt._DTYPE_BYTES:
+            raise bad(f"tensor {name} has the unknown dtype {dtype!r}")
+        nbytes = math.prod(shape) * ckpt._DTYPE_BYTES[dtype]
+        if stop - start != nbytes or start < 0:
+            raise bad(f"corrupted safetensors header: tensor {name} has {stop - start} bytes for {dtype} {list(shape)}")
+        if 8 + n + stop > size:
+            raise bad(f"truncated safetensors file ({size} bytes; tensor {name} ends at {8 + n + stop})")
+        out[name] = _SourceTensor(name, path, dtype, shape, 8 + n + start, nbytes)
+        spans.append((start, stop, name))
+    spans.sort()
+    for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise bad(f"corrupted safetensors header: tensors {a} and {b} overlap")
+    return out
+
+
+def _source_index(directory: str) -> dict[str, _SourceTensor]:
+    """All tensors of a checkpoint folder: the files named by model.safetensors.index.json, else every
+    .safetensors file. A file the index lists but that is missing is an error that names it."""
+    index_path = os.path.join(directory, INDEX_NAME)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConversionError(f"{index_path}: not a safetensors index ({e!r})") from e
+        by_file: dict[str, list[str]] = {}
+        for tensor, file in weight_map.items():
+            by_file.setdefault(file, []).append(tensor)
+        for file, tensors in sorted(by_file.items()):
+            if not os.path.isfile(os.path.join(directory, file)):
+                more = f" and {len(tensors) - 1} more tensors" if len(tensors) > 1 else ""
+                raise ConversionError(f"{directory}: shard {file} is listed in {INDEX_NAME} (for {sorted(tensors)[0]}"
+                                      f"{more}) but is missing")
+        files = [os.path.join(directory, f) for f in sorted(by_file)]
+    else:
+        files = [str(f) for f in sorted(Path(directory).glob("*.safetensors"))]
+        weight_map = None
+    if not files:
+        raise ConversionError(f"{directory}: no .safetensors files (weights are read as safetensors only)")
+    index: dict[str, _SourceTensor] = {}
+    for path in files:
+        for name, t in _read_header(path).items():
+            if name in index:
+                raise ConversionError(f"{directory}: tensor {name} is in both {index[name].file} and {path}")
+            index[name] = t
+    if weight_map is not None:
+        for tensor, file in weight_map.items():
+            if tensor not in index:
+                raise ConversionError(f"{os.path.join(directory, file)}: has no tensor {tensor}, which {INDEX_NAME} "
+                                      "places there")
+    return index
+
+
+class _Reader:
+    """Reads byte ranges of source tensors with positioned reads (no memory map: nothing stays resident)."""
+
+    def __init__(self):
+        self.fds: dict[str, int] = {}
+        self.lock = threading.Lock()  # positioned reads share a descriptor safely; opening it is guarded
+
+    def read(self, t: _SourceTensor, byte_offset: int, nbytes: int) -> torch.Tensor:
+        fd = self.fds.get(t.file)
+        if fd is None:
+            with self.lock:
+                fd = self.fds.get(t.file)
+                if fd is None:
+                    fd = self.fds[t.file] = os.open(t.file, os.O_RDONLY)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], t.start + byte_offset + done)
+            if got <= 0:
+                raise ConversionError(f"{t.file}: unexpected end of file while reading tensor {t.name}")
+            done += got
+        return buf
+
+    def rows(self, t: _SourceTensor, r0: int, r1: int) -> torch.Tensor:
+        width = t.row_width * t.itemsize
+        return self.read(t, r0 * width, (r1 - r0) * width).view(_TORCH_DTYPES[t.dtype]).view(r1 - r0, t.row_width)
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing: safetensors shards whose layout is fixed before any work, filled in place
+def _shard_header(entries: list[tuple[str, str, tuple]]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """(header bytes, {name: (data offset, nbytes)}) of a shard, laid out as safetensors' own writer does."""
+    order = sorted(entries, key=lambda e: (-_DTYPE_RANK.get(e[1], 0), e[0]))
+    meta: dict = {"__metadata__": {"format": "pt"}}
+    spans, offset = {}, 0
+    for name, dtype, shape in order:
+        nbytes = math.prod(shape) * ckpt._DTYPE_BYTES[dtype]
+        meta[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        spans[name] = (offset, nbytes)
+        offset += nbytes
+    text = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    return head, {k: (len(head) + s, n) for k, (s, n) in spans.items()}
+
+
+class _ShardWriter:
+    def __init__(self, path: str, entries):
+        self.path = path
+        head, self.spans = _shard_header(entries)
+        self.size = len(head) + sum(n for _, n in self.spans.values())
+        self.remaining = self.size - len(head)
+        self.fd = os.open(path + ".tmp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, self.size)
+        self._pwrite(memoryview(head), 0)
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def write(self, name: str, byte_offset: int, tensor: torch.Tensor) -> None:
+        data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+        start, nbytes = self.spans[name]
+        if byte_offset + data.nbytes > nbytes:  # pragma: no cover - a layout bug, never bad input
+            raise RuntimeError(f"{name}: write past the end of the tensor in {self.path}")
+        self._pwrite(memoryview(data).cast("B"), start + byte_offset)
+        self.remaining -= data.nbytes
+
+    def finish(self) -> None:
+        if self.remaining:  # pragma: no cover - a layout bug
+            raise RuntimeError(f"{self.path}: {self.remaining} bytes were never written")
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.path + ".tmp", self.path)
+
+    def abandon(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _shard_is_complete(path: str, entries) -> bool:
+    """A shard of an interrupted run can be kept: it has its final name, its exact size and its exact header."""
+    if not os.path.isfile(path):
+        return False
+    head, spans = _shard_header(entries)
+    if os.path.getsize(path) != len(head) + sum(n for _, n in spans.values()):
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(head)) == head
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantizing slices of rows: the same arithmetic as codec.quantize_weight, bit for bit, in fewer passes
+class _SliceQuantizer:
+    """Quantizes `(rows, in)` slices exactly as `codec.quantize_weight` does (same float32 operations in the
+    same order, so the same bytes), but faster: the D1/D2 sign flips are folded into the Hadamard matrix (a sign
+    flip is exact), the rounding counts boundaries below each value with comparisons instead of a binary search,
+    and the packing works on uint8 indices."""
+
+    def __init__(self, bits, group_size: int, device):
+        self.group_size = group_size
+        self.n_levels = fmt.levels_for_bits(bits)
+        s1, s2 = fmt.signs(group_size, device)
+        h = codec.hadamard_matrix(group_size, device)
+        self.h = (s1.unsqueeze(1) * h * s2.unsqueeze(0)).contiguous()
+        self.scale = math.sqrt(group_size)
+        self.centroids = fmt.codebook(self.n_levels, group_size, device)
+        self.bounds = ((self.centroids[:-1] + self.centroids[1:]) / 2).tolist()  # exact float32 values
+        self.bpg = fmt.bytes_per_group(self.n_levels, group_size)
+
+    def __call__(self, x: torch.Tensor, name: str, first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.group_size
+        rows, in_features = x.shape
+        n_groups = -(-in_features // g)
+        xf = x.to(torch.float32)  # x is this slice's own buffer: changing it in place is safe
+        if n_groups * g != in_features:
+            xf = torch.nn.functional.pad(xf, (0, n_groups * g - in_features))
+        groups = xf.view(-1, g)
+        n = torch.linalg.vector_norm(groups, dim=1)
+        if not torch.isfinite(n).all():
+            bad = (~torch.isfinite(x.to(torch.float32))).nonzero()
+            if len(bad):
+                raise ValueError(f"{name}: weight contains NaN or Inf (first at row {first_row + int(bad[0][0])}, "
+                                 f"column {int(bad[0][1])}); refusing to quantize it")
+        groups.div_(torch.where(n > 0, n, torch.ones_like(n)).unsqueeze(1))
+        y = torch.mm(groups, self.h)
+        y.div_(self.scale)
+        del xf, groups
+        idx = torch.gt(y, self.bounds[0]).view(torch.uint8)
+        cmp = torch.empty_like(y, dtype=torch.bool)
+        for b in self.bounds[1:]:
+            idx.add_(torch.gt(y, b, out=cmp).view(torch.uint8))
+        del y, cmp
+        r = torch.linalg.vector_norm(self.centroids.index_select(0, idx.view(-1).int()).view(idx.shape), dim=1)
+        norms = (n / torch.where(r > 0, r, torch.ones_like(r))).view(rows, n_groups)
+        return self._pack(idx), norms
+
+    def _pack(self, idx: torch.Tensor) -> torch.Tensor:
+        n, g = idx.shape
+        if self.n_levels == 8:
+            v = idx.view(n, g // 8, 8)
+            out = torch.empty(n, g // 8, 3, dtype=torch.uint8, device=idx.device)
+            torch.bitwise_or(v[..., 0], v[..., 1] << 3, out=out[..., 0])
+            out[..., 0] |= v[..., 2] << 6
+            torch.bitwise_or(v[..., 2] >> 2, v[..., 3] << 1, out=out[..., 1])
+            out[..., 1] |= v[..., 4] << 4
+            out[..., 1] |= v[..., 5] << 7
+            torch.bitwise_or(v[..., 5] >> 1, v[..., 6] << 2, out=out[..., 2])
+            out[..., 2] |= v[..., 7] << 5
+            return out.view(n, -1)
+        if self.n_levels == 16:
+            v = idx.view(n, g // 2, 2)
+            return v[..., 0] | (v[..., 1] << 4)
+        if self.n_levels == 4:
+            v = idx.view(n, g // 4, 4)
+            out = v[..., 0] | (v[..., 1] << 2)
+            out |= v[..., 2] << 4
+            out |= v[..., 3] << 6
+            return out
+        # ternary: 5 base-3 digits a byte, least significant first, the last byte padded with zero digits
+        width = self.bpg * 5
+        if width != g:
+            idx = torch.nn.functional.pad(idx, (0, width - g))
+        v = idx.view(n, self.bpg, 5)
+        out = v[..., 0] + v[..., 1] * 3
+        out += v[..., 2] * 9
+        out += v[..., 3] * 27
+        out += v[..., 4] * 81
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the plan: one unit per output tensor (or pair of packed/norms tensors), sources concatenated along rows
+@dataclass
+class _Unit:
+    name: str
+    sources: list  # [_SourceTensor], concatenated along rows in this order
+    target: object = None  # the TurboQuantWeight from_pretrained would fill, or None: copied as it is
+    outputs: list = field(default_factory=list)  # [(name, dtype, shape)]
+
+    @property
+    def nbytes_in(self) -> int:
+        return sum(t.nbytes for t in self.sources)
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.sources)
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _peak_rss() -> int:
+    """Peak resident memory of this process in bytes (Linux: VmHWM; elsewhere ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _fingerprint(index: dict[str, _SourceTensor]) -> list:
+    out = []
+    for path in sorted({t.file for t in index.values()}):
+        st = os.stat(path)
+        out.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+    return out
 
 
 class TurboQuantizer(_QuantizerBase):
     """Offline, streaming TurboQuant conversion of a local safetensors checkpoint folder."""
 
     def __init__(self, source_dir: str):
-        self.source_dir = str(source_dir)
-        files = sorted(Path(self.source_dir).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{self.source_dir}: no .safetensors files (weights are read as safetensors only)")
-        self.files = [str(f) for f in files]
-        self.index = ckpt.read_checkpoint_index(self.files)
+        self.source_dir = os.path.abspath(str(source_dir))
+        if not os.path.isdir(self.source_dir):
+            raise ConversionError(f"{source_dir}: no such directory")
+        self.tensors = _source_index(self.source_dir)
+        self.index = {k: {"dtype": t.dtype, "shape": t.shape, "file": t.file} for k, t in self.tensors.items()}
+        config_path = os.path.join(self.source_dir, "config.json")
+        if not os.path.isfile(config_path):
+            raise ConversionError(f"{self.source_dir}: no config.json")
+        with open(config_path) as f:
+            self.config = json.load(f)
+        self._check_supported()
 
     @classmethod
     def from_pretrained(cls, model_or_path, file_name=None):
-        if not os.path.isdir(str(model_or_path)):
-            raise ValueError(f"{model_or_path}: the streaming converter reads a local checkpoint folder")
-        return cls(str(model_or_path))
+        path = str(model_or_path)
+        if not os.path.isdir(path):
+            from .card import looks_like_repo_id
+
+            if not looks_like_repo_id(path):
+                raise ConversionError(f"{model_or_path}: neither a local checkpoint folder nor a Hub repo id")
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json", "*" + ".jinja", "*.model",
+                                                           "*.txt", "*.tiktoken", "README.md"])
+        return cls(path)
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max((t.nbytes for t in self.tensors.values()), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def _check_supported(self) -> None:
+        """Refuse sources that are already quantized (FP8 with scale tensors, ...): never quantize their stored
+        values as if they were the weights."""
+        for cfg in (self.config, self.config.get("text_config") or {}):
+            qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+            if qc:
+                method = qc.get("quant_method", "?") if isinstance(qc, dict) else qc
+                raise ConversionError(
+                    f"{os.path.join(self.source_dir, 'config.json')}: the checkpoint is already quantized "
+                    f"(quant_method {method!r}); the converter reads bf16, fp16 or fp32 weights only. Convert it to "
+                    "bf16 first; nothing was written")
+        for name, t in sorted(self.tensors.items()):
+            scale = _SCALE_TENSOR.match(name)
+            if t.dtype.startswith("F8") or (scale and scale.group(1) + ".weight" in self.tensors):
+                raise ConversionError(
+                    f"{t.file}: tensor {name} ({t.dtype}) belongs to a quantized checkpoint (FP8 weights with "
+                    "scale tensors are not supported); the converter reads bf16, fp16 or fp32 weights only. "
+                    "Nothing was written")
 
     # -- what gets quantized ---------------------------------------------------------------------------------
-    def _targets(self, config: TurboQuantConfig) -> dict[str, TurboQuantWeight]:
-        """{checkpoint tensor name: the TurboQuantWeight from_pretrained would fill from it}."""
+    def _targets(self, config: TurboQuantConfig) -> dict:
+        """{output tensor name: the TurboQuantWeight from_pretrained would fill}; fills `self.expert_groups`."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from .modules import TurboQuantWeight
         from .quantizer import checkpoint_to_model_keys
         from .sizing import apply_plan
 
@@ -118,7 +563,7 @@ class TurboQuantizer(_QuantizerBase):
                 target = modules[model_key]
                 n_experts = target.source_shape[0]
                 if any(sorted(parts.get(p, {})) != list(range(n_experts)) for p in sources):
-                    raise ckpt.CheckpointError(
+                    raise ConversionError(
                         f"{prefix}: the per-expert tensors do not cover experts 0..{n_experts - 1} for {fused}"
                     )
                 self.expert_groups[fused_key] = [[parts[p][e] for p in sources] for e in range(n_experts)]
@@ -126,11 +571,67 @@ class TurboQuantizer(_QuantizerBase):
                 found.add(model_key)
         missing = set(modules) - found
         if missing:
-            raise ckpt.CheckpointError(
+            raise ConversionError(
                 f"{self.source_dir}: no source tensor for {sorted(missing)[0]} (and {len(missing) - 1} more); "
                 "layouts that transformers transforms while loading, other than per-expert experts, are not streamed yet"
             )
+        for name, w in targets.items():
+            if getattr(w, "rotation", "groups") != "groups":
+                raise ConversionError(f"{name}: the streaming converter writes the {fmt.FORMAT_NAME} layout only")
         return targets
+
+    def _plan(self, cfg: TurboQuantConfig, keep_dtype: str | None) -> list[_Unit]:
+        targets = self._targets(cfg)
+        self._n_targets = len(targets)
+        self._orig_in_dims = {k: w.in_features for k, w in targets.items() if w.in_features % w.group_size}
+        grouped = {k for members in self.expert_groups.values() for per in members for k in per}
+        units = []
+        for name in sorted([n for n in self.tensors if n not in grouped] + list(self.expert_groups)):
+            if name in self.expert_groups:
+                sources = [self.tensors[k] for per in self.expert_groups[name] for k in per]
+            else:
+                sources = [self.tensors[name]]
+            target = targets.get(name)
+            unit = _Unit(name, sources, target)
+            if target is not None:
+                for t in sources:
+                    if t.dtype not in _QUANTIZABLE:
+                        raise ConversionError(f"{t.file}: tensor {t.name} is stored as {t.dtype}; only bf16, fp16 and "
+                                              "fp32 weights can be quantized. Nothing was written")
+                    if t.row_width != target.in_features:
+                        raise ConversionError(f"{t.file}: tensor {t.name} has shape {list(t.shape)}, the model expects "
+                                              f"an input width of {target.in_features}")
+                rows = sum(t.rows for t in sources)
+                if rows != target.rows:
+                    raise ConversionError(f"{name}: the source holds {rows} rows, the model expects {target.rows}")
+                bpg = fmt.bytes_per_group(target.n_levels, target.group_size)
+                norms_dtype = _DTYPE_NAMES[target.norms_dtype]
+                unit.outputs = [(name + fmt.PACKED_SUFFIX, "U8", (rows * target.n_groups, bpg)),
+                                (name + fmt.NORMS_SUFFIX, norms_dtype, (rows, target.n_groups))]
+            else:
+                t = sources[0]
+                dtype = keep_dtype if keep_dtype and t.dtype in _QUANTIZABLE else t.dtype
+                unit.outputs = [(name, dtype, t.shape)]
+            units.append(unit)
+        return units
+
+    @staticmethod
+    def _layout(units: list[_Unit], max_shard_size: int) -> list[tuple[str, list]]:
+        """[(file name, [(tensor, dtype, shape)])]: a new shard whenever the next tensor would overflow this one."""
+        shards, current, size = [], [], 0
+        for unit in units:
+            for name, dtype, shape in unit.outputs:
+                nbytes = math.prod(shape) * ckpt._DTYPE_BYTES[dtype]
+                if current and size + nbytes > max_shard_size:
+                    shards.append(current)
+                    current, size = [], 0
+                current.append((name, dtype, tuple(shape)))
+                size += nbytes
+        if current:
+            shards.append(current)
+        n = len(shards)
+        return [("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors", entries)
+                for i, entries in enumerate(shards)]
 
     # -- conversion ------------------------------------------------------------------------------------------
     def quantize(
@@ -142,128 +643,290 @@ class TurboQuantizer(_QuantizerBase):
         max_memory: int | None = None,
         device: str | None = None,
         progress: bool = True,
+        resume: bool = False,
+        overwrite: bool = False,
+        dtype: str | torch.dtype | None = None,
+        base_model: str | None = None,
+        model_card: bool = True,
+        build_info: dict | None = None,
     ) -> ConversionSummary:
+        """Convert into `save_dir`; return the summary (also printed when `progress`).
+
+        max_memory: bytes of working memory the conversion may use on top of the Python process; refused when
+        smaller than the largest source tensor. resume: keep the finished shards of an interrupted run into the
+        same `save_dir` (same source, config and shard size), write the rest. overwrite: replace an existing
+        `save_dir` once the new one is complete. dtype: cast the tensors kept in full precision (default: as
+        stored). build_info: `{"command", "recipe"}` for the model card's build record.
+        """
         cfg = quantization_config or TurboQuantConfig()
-        largest = max(
-            (ckpt_numel(info) * 4 for info in self.index.values() if _torch_dtype(info["dtype"]) is not None),
-            default=0,
-        )
+        largest = self.largest_tensor_bytes
         if max_memory is not None and max_memory < largest:
+            name = max(self.tensors.values(), key=lambda t: t.nbytes).name
             raise ValueError(
-                f"--max-memory {max_memory} bytes is smaller than the float32 copy of the largest tensor "
-                f"({largest} bytes); nothing was written"
+                f"--max-memory {max_memory:,} bytes is smaller than the largest tensor ({name}, {largest:,} bytes); "
+                "nothing was written"
             )
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        targets = self._targets(cfg)
+        keep_dtype = None
+        if dtype is not None and str(dtype) != "auto":
+            tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
+            keep_dtype = _DTYPE_NAMES[tdtype]
         save_dir = os.path.abspath(str(save_dir))
+        if os.path.exists(save_dir) and not overwrite:
+            raise FileExistsError(f"{save_dir} exists; remove it first or pass overwrite=True (--force); "
+                                  "nothing was written")
+        if os.path.commonpath([save_dir, self.source_dir]) in (save_dir, self.source_dir):
+            raise ValueError(f"{save_dir}: the output must be outside the source folder {self.source_dir} "
+                             "(the source is never modified)")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        units = self._plan(cfg, keep_dtype)
+        layout = self._layout(units, max_shard_size)
+        state = {"version": 1, "source": self.source_dir, "files": _fingerprint(self.tensors),
+                 "quantization_config": cfg.to_dict(), "keep_dtype": keep_dtype, "max_shard_size": max_shard_size,
+                 "layout": [[f, [[n, d, list(s)] for n, d, s in e]] for f, e in layout]}
         parent = os.path.dirname(save_dir)
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".{os.path.basename(save_dir)}.partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        summary = ConversionSummary()
+        state_path = os.path.join(tmp, STATE_NAME)
+        done_files: set[str] = set()
+        if resume and os.path.isdir(tmp):
+            try:
+                with open(state_path) as f:
+                    previous = json.load(f)
+            except (OSError, ValueError):
+                previous = None
+            if previous != json.loads(json.dumps(state)):
+                raise ConversionError(
+                    f"{tmp}: cannot resume: that run was started with another source, configuration or shard size "
+                    "(or its record is unreadable); remove it, or run without --resume to start over")
+            done_files = {f for f, entries in layout if _shard_is_complete(os.path.join(tmp, f), entries)}
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            with open(state_path + ".tmp", "w") as f:
+                json.dump(state, f)
+            os.replace(state_path + ".tmp", state_path)
+        for entry in os.listdir(tmp):  # leftovers of the interrupted run: unfinished shards
+            if entry != STATE_NAME and entry not in done_files:
+                os.remove(os.path.join(tmp, entry))
+
+        summary = ConversionSummary(device=str(device), shards=[f for f, _ in layout],
+                                    shards_resumed=len(done_files), peak_rss_before=_peak_rss())
+        for unit in units:
+            if unit.target is not None:
+                summary.params_quantized += unit.numel
+            else:
+                summary.params_kept += unit.numel
+            summary.bytes_in += unit.nbytes_in
+        summary.bytes_out = sum(math.prod(s) * ckpt._DTYPE_BYTES[d] for _, e in layout for _, d, s in e)
         start = time.perf_counter()
         try:
-            self._write_shards(tmp, targets, cfg, max_shard_size, device, summary, progress)
-            self._write_side_files(tmp, cfg, targets)
+            self._convert(tmp, units, layout, done_files, device, max_memory, progress, summary)
+            self._write_side_files(tmp, cfg, layout, summary, keep_dtype)
             summary.seconds = time.perf_counter() - start
-            if os.path.exists(save_dir):
-                raise FileExistsError(f"{save_dir} exists; remove it first (nothing was replaced)")
-            os.replace(tmp, save_dir)
-        finally:
+            summary.peak_rss = _peak_rss()
+            if model_card:
+                self._write_card(tmp, save_dir, base_model, build_info)
+            os.remove(state_path)
+            if os.path.exists(save_dir):  # overwrite: the old folder goes only once the new one is complete
+                old = os.path.join(parent, f".{os.path.basename(save_dir)}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(save_dir, old)
+                os.replace(tmp, save_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, save_dir)
+        except Exception:
             shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except BaseException:  # interrupted: the finished shards stay for resume=True
+            if progress is not False:
+                print(f"interrupted; {tmp} keeps the finished shards: run again with resume=True (--resume) to "
+                      "continue", file=sys.stderr)
+            raise
+        if progress is not False:
+            print(summary.text(), file=sys.stderr)
         return summary
 
-    def _write_shards(self, out_dir, targets, cfg, max_shard_size, device, summary, progress) -> None:
+    def _convert(self, out_dir, units, layout, done_files, device, max_memory, progress, summary) -> None:
+        """Read, quantize and write every unit not already in a finished shard.
+
+        On CPU, slices are read and quantized by a pool of single-threaded workers (one per torch thread): whole
+        slices in parallel, rather than every operation split across cores, which stalls at each of the ~40
+        operations of a slice as soon as another process takes a core. On CUDA one thread reads ahead and the
+        device quantizes. Slices are written in order at their fixed places in the shards, and a shard is
+        synced and renamed as soon as its last tensor is complete."""
         from tqdm.auto import tqdm
 
-        grouped = {k for members in self.expert_groups.values() for per in members for k in per}
-        # one unit per output tensor: a plain source tensor, or a fused expert tensor (in sorted name order)
-        units = sorted([(n, None) for n in self.index if n not in grouped] + list(self.expert_groups.items()))
-        total = sum(ckpt_numel(self.index[n]) * _element_size(self.index[n]["dtype"]) for n in self.index)
-        shard: dict[str, torch.Tensor] = {}
-        shard_bytes = 0
-        written: list[tuple[str, list[str]]] = []
+        from .modules import to_norms_dtype
 
-        def flush():
-            nonlocal shard, shard_bytes
-            if not shard:
+        where = {}  # output tensor -> shard file
+        for f, entries in layout:
+            for name, _, _ in entries:
+                where[name] = f
+        pending = {f: len(entries) for f, entries in layout}  # tensors still to finish per shard
+        entries_of = dict(layout)
+        todo = [u for u in units if any(where[n] not in done_files for n, _, _ in u.outputs)]
+        on_cpu = device.type == "cpu"
+        workers = max(1, torch.get_num_threads()) if on_cpu else 1
+        in_flight = workers + 1 if on_cpu else 2
+        slice_elems = _CPU_SLICE if on_cpu else _CUDA_SLICE
+        copy_bytes = _COPY_SLICE
+        if max_memory is not None:  # every slice in flight at once, with its temporaries, within the budget
+            slice_elems = max(1, min(slice_elems, max_memory // (in_flight * _BYTES_PER_ELEMENT)))
+            copy_bytes = max(1, min(copy_bytes, max_memory // (in_flight * 4)))
+        writers: dict[str, _ShardWriter] = {}
+
+        def writer(name):
+            f = where[name]
+            if f in done_files:
+                return None
+            if f not in writers:
+                writers[f] = _ShardWriter(os.path.join(out_dir, f), entries_of[f])
+            return writers[f]
+
+        def finished(name):
+            f = where[name]
+            if f in done_files:
                 return
-            path = os.path.join(out_dir, f"shard-{len(written):05d}.safetensors")
-            save_file(shard, path, metadata={"format": "pt"})
-            written.append((path, list(shard)))
-            shard, shard_bytes = {}, 0
+            pending[f] -= 1
+            if pending[f] == 0:
+                writers.pop(f).finish()
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="quantizing")
-        handles = {}
+        kernels = {}
+        for unit in todo:
+            target = unit.target
+            if target is not None and (target.n_levels, target.group_size) not in kernels:
+                kernels[target.n_levels, target.group_size] = _SliceQuantizer(
+                    fmt.bits_for_levels(target.n_levels), target.group_size, device)
 
-        def read(key):
-            info = self.index[key]
-            f = handles.get(info["file"]) or handles.setdefault(info["file"], safe_open(info["file"], "pt"))
-            return f.get_tensor(key)
-
-        try:
-            for name, members in units:
-                bar.set_postfix_str(name[-60:], refresh=False)
-                if members is None:
-                    tensor = read(name)
-                else:  # [E, out, in]: each expert's parts concatenated along out (gate rows, then up rows)
-                    tensor = torch.stack([torch.cat([read(k) for k in per], dim=0) for per in members])
-                summary.bytes_in += tensor.numel() * tensor.element_size()
-                if name in targets:
-                    w = targets[name]
-                    packed, norms = codec.quantize_weight(tensor.to(device), w.bits, w.group_size, name=name)
-                    out = {name + fmt.PACKED_SUFFIX: packed.cpu(), name + fmt.NORMS_SUFFIX: to_norms_dtype(
-                        norms, w.norms_dtype, name=name).cpu()}
-                    summary.params_quantized += tensor.numel()
+        # every slice, in order: (unit, source tensor, row offset of the source in the unit, first, last) where
+        # first/last are rows of a quantized source, or bytes of a tensor copied as it is
+        def tasks():
+            for unit in todo:
+                if unit.target is not None:
+                    offset = 0
+                    for t in unit.sources:
+                        rows = max(1, slice_elems // max(1, fmt.padded_width(t.row_width, unit.target.group_size)))
+                        for r0 in range(0, t.rows, rows):
+                            yield unit, t, offset, r0, min(t.rows, r0 + rows)
+                        offset += t.rows
                 else:
-                    out = {name: tensor}
-                    summary.params_kept += tensor.numel()
-                for k, v in out.items():
-                    size = v.numel() * v.element_size()
-                    if shard and shard_bytes + size > max_shard_size:
-                        flush()
-                    shard[k] = v.contiguous()
-                    shard_bytes += size
-                    summary.bytes_out += size
-                bar.update(tensor.numel() * tensor.element_size())
-                del tensor
-            flush()
-        finally:
-            bar.close()
-        n = len(written)
-        weight_map = {}
-        for i, (path, keys) in enumerate(written):
-            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(path, os.path.join(out_dir, final))
-            summary.shards.append(final)
-            weight_map.update({k: final for k in keys})
-        if n > 1:
-            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
-                json.dump({"metadata": {"total_size": summary.bytes_out}, "weight_map": weight_map}, fh, indent=2)
+                    t = unit.sources[0]
+                    step = max(t.itemsize, copy_bytes // t.itemsize * t.itemsize)
+                    for b0 in range(0, max(t.nbytes, 1), step):
+                        yield unit, t, 0, b0, min(t.nbytes, b0 + step)
 
-    def _write_side_files(self, out_dir, cfg: TurboQuantConfig, targets) -> None:
+        reader = _Reader()
+
+        def quantize(unit, t, data, r0):
+            name = t.name if len(unit.sources) == 1 else f"{unit.name} ({t.name})"
+            packed, norms = kernels[unit.target.n_levels, unit.target.group_size](data, name, r0)
+            return packed.cpu(), to_norms_dtype(norms, _TORCH_DTYPES[unit.outputs[1][1]], name=unit.name).cpu()
+
+        def work(task):  # in a worker thread
+            unit, t, _, a, b = task
+            if unit.target is None:
+                data = reader.read(t, a, b - a)
+                out_dtype = unit.outputs[0][1]
+                return data if out_dtype == t.dtype else data.view(_TORCH_DTYPES[t.dtype]).to(_TORCH_DTYPES[out_dtype])
+            data = reader.rows(t, a, b)
+            return quantize(unit, t, data, a) if on_cpu else data
+
+        total = sum(u.nbytes_in for u in todo)
+        bar = tqdm(total=total, unit="B", unit_scale=True, disable=None if progress is None else not progress,
+                   desc="quantizing", file=sys.stderr, dynamic_ncols=True)
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="turboquant-convert",
+                                  initializer=torch.set_num_threads if on_cpu else None,
+                                  initargs=(1,) if on_cpu else ())
+        ahead: deque = deque()
+        it = tasks()
+        shown = None
+        try:
+            for task in it:
+                ahead.append((task, pool.submit(work, task)))
+                if len(ahead) >= in_flight:
+                    break
+            while ahead:
+                task, fut = ahead.popleft()
+                result = fut.result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    ahead.append((nxt, pool.submit(work, nxt)))
+                unit, t, offset, a, b = task
+                if unit is not shown:
+                    bar.set_postfix_str(unit.name, refresh=False)
+                    shown = unit
+                if unit.target is None:
+                    name, out_dtype, _ = unit.outputs[0]
+                    w = writer(name)
+                    if w is not None:
+                        w.write(name, a // t.itemsize * ckpt._DTYPE_BYTES[out_dtype], result)
+                    if b >= t.nbytes:
+                        finished(name)
+                    summary.params_processed += (b - a) // t.itemsize
+                    bar.update(b - a)
+                    continue
+                packed, norms = result if on_cpu else quantize(unit, t, result.to(device), a)
+                (pname, _, pshape), (nname, _, _) = unit.outputs
+                row = offset + a
+                n_groups = pshape[0] // unit.target.rows
+                wp, wn = writer(pname), writer(nname)
+                if wp is not None:
+                    wp.write(pname, row * n_groups * pshape[1], packed)
+                if wn is not None:
+                    wn.write(nname, row * n_groups * norms.element_size(), norms)
+                if t is unit.sources[-1] and b == t.rows:
+                    finished(pname)
+                    finished(nname)
+                summary.params_processed += (b - a) * t.row_width
+                bar.update((b - a) * t.row_width * t.itemsize)
+        finally:
+            for _, fut in ahead:
+                fut.cancel()
+            pool.shutdown(wait=True)
+            reader.close()
+            for w in writers.values():
+                w.abandon()
+            bar.close()
+        if writers:  # pragma: no cover - a layout bug
+            raise RuntimeError(f"shards left unfinished: {sorted(writers)}")
+
+    def _write_side_files(self, out_dir, cfg: TurboQuantConfig, layout, summary, keep_dtype) -> None:
+        if len(layout) > 1:
+            weight_map = {name: f for f, entries in layout for name, _, _ in entries}
+            with open(os.path.join(out_dir, INDEX_NAME), "w") as fh:
+                json.dump({"metadata": {"total_size": summary.bytes_out}, "weight_map": weight_map}, fh, indent=2)
         for entry in sorted(os.listdir(self.source_dir)):
             src = os.path.join(self.source_dir, entry)
             if os.path.isfile(src) and entry.endswith(_COPIED_SUFFIXES) and entry not in _SKIPPED_FILES:
                 shutil.copy2(src, os.path.join(out_dir, entry))
-        with open(os.path.join(self.source_dir, "config.json")) as fh:
-            config = json.load(fh)
+        config = dict(self.config)
         config["quantization_config"] = cfg.to_dict()
+        if keep_dtype:
+            config.pop("torch_dtype", None)
+            config["dtype"] = str(_TORCH_DTYPES[keep_dtype]).replace("torch.", "")
         with open(os.path.join(out_dir, "config.json"), "w") as fh:
             json.dump(config, fh, indent=2)
-        orig = {k: w.in_features for k, w in targets.items() if w.in_features % w.group_size}
-        tq = cfg.to_tq_config(len(targets), orig, self.source_dir)
+        tq = cfg.to_tq_config(self._n_targets, self._orig_in_dims, self.source_dir)
         with open(os.path.join(out_dir, fmt.TQ_CONFIG_NAME), "w") as fh:
             json.dump(tq, fh, indent=2)
 
+    def _write_card(self, out_dir, save_dir, base_model, build_info) -> None:
+        """The model card README.md, rendered from the files by the same generator save_pretrained uses."""
+        from . import card as tq_card
+
+        info = build_info or {}
+        with open(os.path.join(out_dir, tq_card.BUILD_NAME), "w") as f:
+            json.dump(tq_card.build_record(base_model=base_model, source=self.source_dir,
+                                           command=info.get("command"), recipe=info.get("recipe")), f, indent=2)
+        try:
+            tq_card.write_card(out_dir, base_model=base_model, repo_id=info.get("repo_id"),
+                               name=os.path.basename(save_dir))
+        except Exception as e:  # the weights are complete; a card that cannot be rendered must not lose them
+            import warnings
+
+            warnings.warn(f"TurboQuant: converted the model but could not write its model card: {e}")
+
 
 def ckpt_numel(info: dict) -> int:
-    n = 1
-    for d in info["shape"]:
-        n *= d
-    return n
-
-
-def _element_size(dtype: str) -> int:
-    return ckpt._DTYPE_BYTES.get(dtype, 1)
+    return math.prod(info["shape"])

@@ -1,0 +1,288 @@
+"""Speed of the streaming converter (`turboquant_hf.converter.TurboQuantizer`) on a synthetic Llama checkpoint.
+
+Writes a bf16 checkpoint with real layer shapes (hidden 2048, intermediate 5632, 32 heads, 4 KV heads, vocabulary
+32000: about 44M weights a layer) and random values, then measures on the chosen device:
+
+1. read: every source byte read with plain positioned reads (what the converter does; the page cache as it is,
+   or cold after --drop-caches when the machine allows it);
+2. quantization throughput from tensors already on the device (a layer's weights, several times over);
+3. the whole conversion (read, quantize, write shards, side files, card), in params per second;
+4. on CPU, when `turboquant-plus-vllm` is installed, the peer writer `save_tq3_checkpoint` on the same
+   checkpoint in the same run, and the ratio.
+
+    python benchmarks/convert_speed.py --layers 8                     # CPU, with the peer writer
+    python benchmarks/convert_speed.py --layers 40 --device cuda      # H200: ~4 GB of bf16
+
+Prints a Markdown row per measurement and, with --json FILE, writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+SHAPES = dict(hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000)
+
+
+def llama_tensors(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int):
+    """[(name, shape)] of a Llama checkpoint, in the order a Hub checkpoint lists them."""
+    head_dim = hidden // heads
+    out = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,)),
+                (p + "self_attn.q_proj.weight", (heads * head_dim, hidden)),
+                (p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+                (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+                (p + "self_attn.o_proj.weight", (hidden, heads * head_dim)),
+                (p + "mlp.gate_proj.weight", (intermediate, hidden)),
+                (p + "mlp.up_proj.weight", (intermediate, hidden)),
+                (p + "mlp.down_proj.weight", (hidden, intermediate))]
+    out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return out
+
+
+def write_tokenizer(directory: str, vocab: int) -> None:
+    """A word-level tokenizer.json of `vocab` entries (enough for AutoTokenizer and the peer writer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab):
+        words[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
+                   "eos_token": "</s>"}, f)
+
+
+def write_synthetic_llama(directory: str, layers: int, shard_bytes: int = 2 * 10**9, seed: int = 0,
+                          variants: int = 2, **shape) -> dict:
+    """A bf16 Llama checkpoint of `layers` layers: config.json, sharded safetensors with an index, tokenizer.
+
+    Values are random (std 0.02; norms 1); each shape draws `variants` random tensors that the layers take in
+    turn, so that writing a large checkpoint costs little more than the disk. Returns {"bytes", "params",
+    "largest_tensor_bytes"}."""
+    from turboquant_hf.converter import _ShardWriter
+
+    dims = dict(SHAPES, **shape)
+    os.makedirs(directory, exist_ok=True)
+    tensors = llama_tensors(layers, **dims)
+    gen = torch.Generator().manual_seed(seed)
+    pool: dict = {}
+
+    def value(name, shape, i):
+        key = (shape, "norm" in name, i % variants)
+        if key not in pool:
+            if "norm" in name:
+                pool[key] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                pool[key] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        return pool[key]
+
+    shards, current, size = [], [], 0
+    for name, shape in tensors:
+        nbytes = math.prod(shape) * 2
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, shape))
+        size += nbytes
+    shards.append(current)
+    weight_map, total = {}, 0
+    for k, entries in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        w = _ShardWriter(os.path.join(directory, fname), [(n, "BF16", s) for n, s in entries])
+        for i, (n, s) in enumerate(entries):
+            layer = int(n.split(".")[2]) if n.startswith("model.layers.") else 0
+            w.write(n, 0, value(n, s, layer))
+            weight_map[n] = fname
+            total += math.prod(s) * 2
+        w.finish()
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": dims["hidden"],
+              "intermediate_size": dims["intermediate"], "num_hidden_layers": layers,
+              "num_attention_heads": dims["heads"], "num_key_value_heads": dims["kv_heads"],
+              "vocab_size": dims["vocab"], "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16"}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    write_tokenizer(directory, dims["vocab"])
+    return {"bytes": total, "params": total // 2,
+            "largest_tensor_bytes": max(math.prod(s) * 2 for _, s in tensors)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def measure_read(src: str) -> float:
+    """Seconds to read every tensor byte of the checkpoint with the converter's reader."""
+    from turboquant_hf.converter import _Reader, _source_index
+
+    reader = _Reader()
+    start = time.perf_counter()
+    for t in _source_index(src).values():
+        for off in range(0, t.nbytes, 1 << 26):
+            reader.read(t, off, min(1 << 26, t.nbytes - off))
+    reader.close()
+    return time.perf_counter() - start
+
+
+def measure_quantize_on_device(device: torch.device, bits: int, group_size: int, repeats: int) -> tuple[float, int]:
+    """(seconds, params) to quantize one layer's weight matrices `repeats` times, from tensors already on
+    `device`, in the converter's slices."""
+    from turboquant_hf.converter import _CPU_SLICE, _CUDA_SLICE, _SliceQuantizer
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = [s for n, s in llama_tensors(1, **SHAPES) if ".layers." in n and len(s) == 2]
+    weights = [(torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16).to(device) for s in shapes]
+    q = _SliceQuantizer(bits, group_size, device)
+    slice_elems = _CUDA_SLICE if device.type == "cuda" else _CPU_SLICE
+
+    def run():
+        for w in weights:
+            rows = max(1, slice_elems // w.shape[1])
+            for r in range(0, w.shape[0], rows):
+                q(w[r:r + rows], "w", r)
+
+    run()  # warm-up: kernels, caches
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    _sync(device)
+    return time.perf_counter() - start, repeats * sum(w.numel() for w in weights)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "safetensors", "turboquant-hf", "turboquant-plus-vllm", "triton"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the synthetic model (44M weights each)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--bits", type=int, default=3)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=0, help="layers quantized on the device (default: 3 CPU, 50 CUDA)")
+    ap.add_argument("--work-dir", help="where the checkpoints go (default: a temporary folder, removed at the end)")
+    ap.add_argument("--no-peer", action="store_true", help="skip the peer writer even when it is installed")
+    ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before the read and conversion "
+                                                               "(needs root; noted when it fails)")
+    ap.add_argument("--json", help="write the results to this file")
+    args = ap.parse_args(argv)
+
+    from turboquant_hf import TurboQuantConfig
+    from turboquant_hf.card import human_bytes, human_count
+    from turboquant_hf.converter import TurboQuantizer
+
+    device = torch.device(args.device)
+    work = args.work_dir or tempfile.mkdtemp(prefix="tq-convert-speed-")
+    os.makedirs(work, exist_ok=True)
+    src = os.path.join(work, "src")
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+            f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), torch threads "
+            f"{torch.get_num_threads()}", "versions": _versions(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv or sys.argv[1:])),
+            "layers": args.layers, "bits": args.bits, "group_size": args.group_size}
+    rows = []
+    try:
+        t0 = time.perf_counter()
+        meta = write_synthetic_llama(src, args.layers)
+        info.update(source_bytes=meta["bytes"], params=meta["params"], write_seconds=time.perf_counter() - t0)
+        print(f"synthetic checkpoint: {human_bytes(meta['bytes'])}, {human_count(meta['params'])} params, "
+              f"{args.layers} layers", file=sys.stderr)
+
+        cold = drop_caches() if args.drop_caches else False
+        read_s = measure_read(src)
+        rows.append(("read every source byte" + (" (cold cache)" if cold else ""), read_s, meta["bytes"] / read_s,
+                     "bytes/s"))
+
+        repeats = args.repeats or (50 if device.type == "cuda" else 3)
+        q_s, q_params = measure_quantize_on_device(device, args.bits, args.group_size, repeats)
+        rows.append((f"quantize on {device.type}, tensors already there", q_s, q_params / q_s, "params/s"))
+
+        cfg = TurboQuantConfig(bits=args.bits, group_size=args.group_size)
+        out = os.path.join(work, "tq")
+        shutil.rmtree(out, ignore_errors=True)
+        if args.drop_caches:
+            drop_caches()
+        start = time.perf_counter()
+        summary = TurboQuantizer.from_pretrained(src).quantize(out, quantization_config=cfg, device=str(device),
+                                                               progress=False)
+        conv_s = time.perf_counter() - start
+        rows.append(("whole conversion (turboquant-hf)", conv_s, meta["params"] / conv_s, "params/s"))
+        info["summary"] = summary.as_dict()
+        info["conversion_over_read"] = conv_s / read_s
+
+        peer = None
+        if device.type == "cpu" and not args.no_peer:
+            try:
+                from turboquant_vllm.checkpoint import save_tq3_checkpoint
+            except ImportError:
+                print("turboquant-plus-vllm is not installed: no peer measurement", file=sys.stderr)
+            else:
+                peer_out = os.path.join(work, "peer")
+                shutil.rmtree(peer_out, ignore_errors=True)
+                start = time.perf_counter()
+                save_tq3_checkpoint(src, peer_out, bits=args.bits, group_size=args.group_size)
+                peer = time.perf_counter() - start
+                rows.append(("whole conversion (peer save_tq3_checkpoint)", peer, meta["params"] / peer, "params/s"))
+                info["speedup_over_peer"] = peer / conv_s
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    info["results"] = [{"what": w, "seconds": s, "rate": r, "unit": u} for w, s, r, u in rows]
+    print(f"\n{info['device']}; {info['date']}; " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(f"`{info['command']}`: {human_count(meta['params'])} params, {human_bytes(meta['bytes'])} of bf16, "
+          f"{args.bits}-bit G={args.group_size}\n")
+    print("| measurement | seconds | rate |\n|---|---:|---:|")
+    for what, s, rate, unit in rows:
+        shown = f"{human_bytes(rate)}/s" if unit == "bytes/s" else f"{human_count(rate)} params/s"
+        print(f"| {what} | {s:.2f} | {shown} |")
+    if "speedup_over_peer" in info:
+        print(f"\nturboquant-hf is {info['speedup_over_peer']:.1f}x the peer writer's speed on this checkpoint")
+    print(f"whole conversion / read time: {info['conversion_over_read']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(info, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
