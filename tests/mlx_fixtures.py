@@ -29,10 +29,12 @@ RECIPES = {
     "tq4-attn2": ["--bits", "4", "--attn-bits", "2", "--group-size", "64"],
     "tq3a-tqTe": ["--bits", "3", "--group-size", "64", "--ternary-experts"],
     "tqTe-down4": ["--bits", "3", "--group-size", "64", "--ternary-experts", "--expert-down-bits", "4"],
+    # MLP and experts in groups of 32, attention in groups of 64
+    "tqTe-g32": ["--bits", "3", "--group-size", "64", "--ternary-experts", "--mlp-group-size", "32"],
 }
 # (model, recipe) pairs converted for the tests
 CASES = [("llama", "tq3"), ("llama", "tq4-attn2"),
-         ("qwen3_moe", "tq3"), ("qwen3_moe", "tq3a-tqTe"), ("qwen3_moe", "tqTe-down4"),
+         ("qwen3_moe", "tq3"), ("qwen3_moe", "tq3a-tqTe"), ("qwen3_moe", "tqTe-down4"), ("qwen3_moe", "tqTe-g32"),
          ("qwen3_5_moe", "tq3"), ("qwen3_5_moe", "tq3a-tqTe"), ("qwen3_5_moe", "tqTe-down4")]
 
 

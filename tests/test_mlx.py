@@ -47,7 +47,8 @@ def mlx_pack(indices: torch.Tensor, n_levels: int) -> torch.Tensor:
     return words.to(torch.int64).to(torch.int32).view(torch.uint32) if hasattr(torch, "uint32") else words
 
 
-@pytest.mark.parametrize("n_levels, group_size", [(3, 64), (3, 32), (4, 64), (8, 64), (8, 16), (16, 64), (16, 128)])
+@pytest.mark.parametrize("n_levels, group_size", [(3, 64), (3, 32), (3, 16), (4, 64), (4, 16), (8, 64), (8, 16), (16, 64),
+                                                  (16, 128)])
 def test_repack_is_lossless(n_levels, group_size):
     g = torch.Generator().manual_seed(n_levels)
     rows, width = 6, 5 * group_size
@@ -57,8 +58,8 @@ def test_repack_is_lossless(n_levels, group_size):
     assert packed.shape == (rows * 5, fmt.bytes_per_group(n_levels, group_size))
     assert torch.equal(codec.unpack_indices(packed, n_levels, group_size).view(rows, width), idx)
     assert torch.equal(mlx.unpack_words(words, n_levels, width).long(), idx)
-    if n_levels in (4, 16):  # the bytes of an MLX row are already our bit stream: taken as they are
-        assert torch.equal(packed, codec.pack_indices(idx.view(-1, group_size), n_levels))
+    assert torch.equal(packed, codec.pack_indices(idx.view(-1, group_size), n_levels))
+    assert torch.equal(mlx.pack_groups(idx.view(-1, group_size).to(torch.uint8), n_levels), packed)
 
 
 def test_three_bit_words_are_not_a_bit_stream():
@@ -210,8 +211,13 @@ def test_loaded_modules_hold_the_files_exactly(fixtures, kind, recipe):
         ours = codec.unpack_indices(w.tq_packed, w.n_levels, w.group_size).view(-1, w.in_features)
         theirs = mlx.unpack_words(words.reshape(-1, words.shape[-1]), w.n_levels, w.in_features).long()
         assert torch.equal(ours, theirs), name
-    expected = {"tq3": {3}, "tq4-attn2": {2, 4}, "tq3a-tqTe": {3, fmt.TERNARY}, "tqTe-down4": {3, 4, fmt.TERNARY}}
+    expected = {"tq3": {3}, "tq4-attn2": {2, 4}, "tq3a-tqTe": {3, fmt.TERNARY}, "tqTe-down4": {3, 4, fmt.TERNARY},
+                "tqTe-g32": {3, fmt.TERNARY}}
     assert tiers == expected[recipe]
+    if recipe == "tqTe-g32":
+        sizes = {name: w.group_size for name, (w, _) in quantized.items()}
+        assert {g for n, g in sizes.items() if ".experts." in n} == {32}
+        assert {g for n, g in sizes.items() if "self_attn" in n} == {64}
 
 
 @pytest.mark.parametrize("kind, recipe", mlx_fixtures.CASES, ids=CASE_IDS)

@@ -149,20 +149,28 @@ def checkpoint_summary(directory: str) -> dict[str, Any]:
         packed, norms = index.get(key + fmt.PACKED_SUFFIX), index.get(key + fmt.NORMS_SUFFIX)
         if packed is None or norms is None:
             raise CardError(f"{directory}: {key} has {'no ' + fmt.NORMS_SUFFIX if norms is None else 'no packed data'}")
-        try:
-            bits = fmt.bits_for_levels(fmt.levels_from_geometry(packed["shape"][-1], group_size))
-        except ValueError as e:
-            raise CardError(f"{directory}: {key}{fmt.PACKED_SUFFIX}: {e}") from e
         rows = math.prod(norms["shape"][:-1])  # Linear layers: (rows, n_groups); fused experts: experts x rows
         n_groups = norms["shape"][-1]
         module = key[: -len(".weight")] if key.endswith(".weight") else key
-        in_features = orig_in.get(key) or orig_in.get(module) or n_groups * group_size
+        names = [key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX]
+        codebook, signs = index.get(key + ".tq_codebook"), index.get(key + ".tq_signs")
+        if codebook is not None and signs is not None:
+            # whole-row Hadamard modules (tq_hadamard, from turboquant-mlx): their own codebook, signs, group size
+            bits = fmt.bits_for_levels(codebook["shape"][0])
+            in_features = signs["shape"][0]
+            names += [key + ".tq_codebook", key + ".tq_signs"]
+        else:
+            try:
+                bits = fmt.bits_for_levels(fmt.levels_from_geometry(packed["shape"][-1], group_size))
+            except ValueError as e:
+                raise CardError(f"{directory}: {key}{fmt.PACKED_SUFFIX}: {e}") from e
+            in_features = orig_in.get(key) or orig_in.get(module) or n_groups * group_size
         t = tiers.setdefault(bits, {"bits": bits, "layers": 0, "params": 0, "bytes": 0, "patterns": set()})
         t["layers"] += 1
         t["params"] += rows * in_features
-        t["bytes"] += nbytes(key + fmt.PACKED_SUFFIX) + nbytes(key + fmt.NORMS_SUFFIX)
+        t["bytes"] += sum(nbytes(n) for n in names)
         t["patterns"].add(_module_pattern(module))
-        quantized_names.update((key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX))
+        quantized_names.update(names)
         base_bytes += rows * in_features * dtype_bytes
     fp_names = sorted(set(index) - quantized_names)
     fp_bytes = sum(nbytes(n) for n in fp_names)

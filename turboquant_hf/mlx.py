@@ -48,18 +48,54 @@ def indices_per_word(n_levels: int) -> int:
     return TRITS_PER_WORD if n_levels == 3 else 32 // int(math.log2(n_levels))
 
 
+_HALF_WORD_TABLES: dict = {}
+
+
+def _half_word_table(n_levels: int, device) -> tuple[int, torch.Tensor]:
+    """(radix, table): a word is `hi * radix + lo`, each half holding half the word's indices; `table[half]` lists
+    them (uint8), least significant first. Two lookups decode a word."""
+    key = (n_levels, str(device))
+    if key not in _HALF_WORD_TABLES:
+        per = indices_per_word(n_levels) // 2
+        base = 3 if n_levels == 3 else n_levels
+        codes = torch.arange(base**per, dtype=torch.int64)
+        table = torch.stack([(codes // base**i) % base for i in range(per)], -1).to(torch.uint8)
+        _HALF_WORD_TABLES[key] = (base**per, table.to(device))
+    return _HALF_WORD_TABLES[key]
+
+
 def unpack_words(words: torch.Tensor, n_levels: int, count: int) -> torch.Tensor:
     """MLX-packed uint32 rows `(rows, n_words)` to indices `(rows, count)` uint8."""
-    w = words.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    per = indices_per_word(n_levels)
-    if n_levels == 3:
-        powers = torch.tensor([3**i for i in range(per)], dtype=torch.int64, device=w.device)
-        digits = (w.unsqueeze(-1) // powers) % 3
-    else:
-        b = int(math.log2(n_levels))
-        shifts = torch.arange(per, dtype=torch.int64, device=w.device) * b
-        digits = (w.unsqueeze(-1) >> shifts) & (n_levels - 1)
-    return digits.reshape(w.shape[0], -1)[:, :count].to(torch.uint8)
+    w = words.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    radix, table = _half_word_table(n_levels, w.device)
+    # (3-bit words hold 10 indices in 30 bits, 2-bit 16, 4-bit 8, ternary 20 base-3 digits: all split in halves)
+    hi = w // radix
+    halves = torch.stack([w - hi * radix, hi], -1)
+    return torch.nn.functional.embedding(halves, table).reshape(w.shape[0], -1)[:, :count]
+
+
+def pack_groups(indices: torch.Tensor, n_levels: int) -> torch.Tensor:
+    """uint8 indices `(n, G)` to the per-group layout `(n, bytes_per_group)` of `codec.pack_indices` (the same bytes;
+    computed in uint8, which is what makes repacking a large checkpoint fast)."""
+    n, g = indices.shape
+    if n_levels == 3:  # 5 base-3 digits a byte: at most 242
+        width = -(-g // 5) * 5
+        d = indices if width == g else torch.nn.functional.pad(indices, (0, width - g))
+        d = d.reshape(n, -1, 5)
+        return d[..., 0] + 3 * d[..., 1] + 9 * d[..., 2] + 27 * d[..., 3] + 81 * d[..., 4]
+    if n_levels == 8:  # 8 indices in 3 bytes, LSB first
+        i = indices.reshape(n, -1, 8)
+        b0 = i[..., 0] | (i[..., 1] << 3) | (i[..., 2] << 6)
+        b1 = (i[..., 2] >> 2) | (i[..., 3] << 1) | (i[..., 4] << 4) | (i[..., 5] << 7)
+        b2 = (i[..., 5] >> 1) | (i[..., 6] << 2) | (i[..., 7] << 5)
+        return torch.stack([b0, b1, b2], -1).reshape(n, -1)
+    per = 8 // int(math.log2(n_levels))
+    b = 8 // per
+    i = indices.reshape(n, -1, per)
+    out = i[..., 0]
+    for k in range(1, per):
+        out = out | (i[..., k] << (b * k))
+    return out
 
 
 def repack(words: torch.Tensor, n_levels: int, in_features: int, group_size: int) -> torch.Tensor:
@@ -69,8 +105,6 @@ def repack(words: torch.Tensor, n_levels: int, in_features: int, group_size: int
     groups start on byte boundaries, so its bytes are taken as they are; 3-bit words hold 10 indices and 2 spare
     bits, and ternary words 20 base-3 digits across group boundaries, so those are unpacked and packed again.
     """
-    from . import codec
-
     words = words.reshape(-1, words.shape[-1]).contiguous()
     rows = words.shape[0]
     n_groups = in_features // group_size
@@ -83,7 +117,7 @@ def repack(words: torch.Tensor, n_levels: int, in_features: int, group_size: int
     for start in range(0, rows, chunk):
         stop = min(rows, start + chunk)
         idx = unpack_words(words[start:stop], n_levels, in_features)
-        out[start * n_groups : stop * n_groups] = codec.pack_indices(idx.reshape(-1, group_size), n_levels)
+        out[start * n_groups : stop * n_groups] = pack_groups(idx.reshape(-1, group_size), n_levels)
     return out
 
 
