@@ -183,6 +183,11 @@ DOT_SWEEP = [(64, 4, 1, 0), (64, 4, 1, 0x01010101), (64, 4, 1, 0x11111111), (32,
              (128, 8, 1, 0x01010101), (64, 8, 1, 0x01010101), (32, 4, 1, 0)]
 
 
+LUT_SWEEP = [(8, 4, 0), (8, 4, 2), (8, 4, 4), (4, 4, 0), (4, 4, 4), (8, 2, 0), (8, 2, 4), (8, 2, 8), (4, 8, 0),
+             (4, 8, 2), (8, 8, 2), (16, 4, 2), (4, 2, 8), (2, 4, 8)]
+LUT_ONLY = False
+
+
 def _time_variants(case, label, m, x, ref, variants, graph, t_b):
     rows = []
     qbufs, _ = case.buffers(m) if m <= 16 else ([(case.packed, case.norms)] * 2, None)
@@ -217,7 +222,14 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
         del bbufs
         rows.append(dict(shape=label, bits=str(case.bits), M=m, variant="bf16 F.linear", us=t_b))
         variants = []
-        if m == 1:
+        if m == 1 and LUT_ONLY:
+            unit = L.lut_unit(nl)
+            x_t = L.rotate(x, case.s1, case.s2, g, torch.float32, unit=unit)
+            d0 = L._lut_config(n, ng * g // unit)
+            for cfg in [d0] + [c for c in LUT_SWEEP if c != d0]:
+                variants.append((f"lut gemv only {cfg}" + (" *" if cfg == d0 else ""),
+                                 lambda p, nr, cfg=cfg: L.gemv_lut(x_t, p, nr, case.cb, g, torch.bfloat16, config=cfg)))
+        elif m == 1:
             x_rot = L.rotate(x, case.s1, case.s2, g, torch.float32)
             t_r, _ = time_calls([lambda: L.rotate(x, case.s1, case.s2, g, torch.float32)] * 8, True)
             rows.append(dict(shape=label, bits=str(case.bits), M=m, variant="rotate only", us=t_r))
@@ -272,6 +284,7 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time kernel configurations instead of the table")
+    ap.add_argument("--sweep-lut", action="store_true", help="time LUT GEMV configurations (M = 1, 2- and 3-bit)")
     ap.add_argument("--md", help="write the table as markdown here")
     ap.add_argument("--json", help="write raw rows as JSON here")
     ap.add_argument("--shapes", help="comma-separated shape indices (default: all)")
@@ -282,7 +295,17 @@ def main() -> int:
     print(json.dumps(env), flush=True)
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
-    if args.sweep:
+    if args.sweep_lut:
+        global LUT_ONLY
+        LUT_ONLY = True
+        args.sweep = True
+        for bits in (3, 2):
+            for label, k, n in shapes:
+                case = Case(k, n, bits)
+                rows += sweep_case(case, label, ms=(1,))
+                del case
+                torch.cuda.empty_cache()
+    elif args.sweep:
         for label, k, n in shapes:
             case = Case(k, n, 3)
             rows += sweep_case(case, label, ms=(1, 16) if k != 2048 else (1, 16, 2048))

@@ -1,7 +1,7 @@
 """GPU implementations of the `turboquant` torch ops (installed as `turboquant_hf.kernels`).
 
-Importing this package registers the Triton kernels in `linear.py` as the CUDA
-implementation of `torch.ops.turboquant.linear` (`turboquant_hf.ops` imports it
+Importing this package registers the Triton kernels in `linear.py` and `moe.py` as the
+CUDA implementations of `torch.ops.turboquant.linear` and `torch.ops.turboquant.moe_experts` (`turboquant_hf.ops` imports it
 at its end). Registration needs only that the `triton` package can be found;
 triton itself is imported lazily, on the first call with CUDA tensors, so
 importing this package on a machine without triton or without CUDA works and
@@ -51,6 +51,15 @@ def _cuda_hadamard_linear(x, packed, norms, codebook, signs, group_size, in_feat
     return y.reshape(*lead, norms.shape[0])
 
 
+def _cuda_moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
+                      down_packed, down_norms, down_codebook, signs1, signs2, group_size, num_experts, activation):
+    from . import moe
+
+    return moe.moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
+                           down_packed, down_norms, down_codebook, signs1, signs2, group_size, num_experts,
+                           activation)
+
+
 def registered() -> bool:
     """True when the Triton kernels serve `torch.ops.turboquant.linear` for CUDA tensors."""
     return _registered
@@ -69,6 +78,7 @@ def register() -> bool:
         # the op is defined in turboquant_hf.ops, which imports this package at its end
         from turboquant_hf import ops  # noqa: F401
     torch.library.register_kernel("turboquant::linear", "cuda")(_cuda_linear)
+    torch.library.register_kernel("turboquant::moe_experts", "cuda")(_cuda_moe_experts)
     if hasattr(torch.ops.turboquant, "hadamard_linear"):
         torch.library.register_kernel("turboquant::hadamard_linear", "cuda")(_cuda_hadamard_linear)
     _registered = True

@@ -303,7 +303,8 @@ def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr):
 
 @triton.jit
 def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, M, K, stride_xm, stride_om, scale,
-                   G: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, EXACT16: tl.constexpr):
+                   G: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, EXACT16: tl.constexpr,
+                   PER_T: tl.constexpr, NUT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -329,13 +330,21 @@ def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, M, K, stride_xm, stride_om, s
         y = tl.dot(xs, h, input_precision="ieee")
     s2 = tl.load(s2_ptr + cc)
     y = y * scale * s2[None, :]
-    optr = out_ptr + rm[:, None] * stride_om + (pid_g * G + cc)[None, :]
+    col = pid_g * G + cc
+    if PER_T > 0:
+        # unit-major: element j of unit u at j * NUT + u, so that the GEMV's lanes (one unit each)
+        # read consecutive addresses
+        col = (col % PER_T) * NUT + col // PER_T
+    optr = out_ptr + rm[:, None] * stride_om + col[None, :]
     tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
 def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """`(M, in)` activations -> `(M, n_groups*G)` rotated, zero-padded, in `out_dtype`."""
+           out_dtype: torch.dtype, unit: int = 0) -> torch.Tensor:
+    """`(M, in)` activations -> `(M, n_groups*G)` rotated, zero-padded, in `out_dtype`.
+
+    With `unit` > 0 every row is stored unit-major: the `n_groups*G/unit` units of `unit` consecutive
+    columns are transposed, so column `u*unit + j` lands at `j*n_units + u` (the LUT GEMV's layout)."""
     m, k = x2.shape
     g = group_size
     ng = -(-k // g)
@@ -349,7 +358,8 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     bc = min(g, 64 if exact16 else 32)
     grid = (triton.cdiv(m, bm), ng, g // bc)
     _rotate_kernel[grid](x2, signs1, signs2, out, m, k, x2.stride(0), out.stride(0), 1.0 / math.sqrt(g),
-                         G=g, BM=bm, BC=bc, EXACT16=exact16, num_warps=4)
+                         G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit, NUT=(ng * g) // unit if unit else 0,
+                         num_warps=4)
     return out
 
 
@@ -477,6 +487,286 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
                            NLEV=n_levels, G=group_size, PER=geo["PER"], WPU=geo["WPU"], UPG=geo["UPG"],
                            UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
                            num_warps=warps)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 2a'. LUT GEMV: codebook lookups with byte permutes (2- and 3-bit, M <= LUT_MAX_M)
+# ---------------------------------------------------------------------------
+#
+# A codebook of up to 8 entries fits in four 32-bit registers as byte tables: the low bytes of the
+# entries' 16-bit patterns (two registers) and their high bytes (two more). One `prmt` (byte permute)
+# looks up four indices at once, given them as the four nibbles of its selector; a third `prmt` per
+# weight assembles the float32 word `(P << 16) | P` from a low and a high byte. P is the 16-bit
+# pattern whose float32 reading of `(P << 16) | P` is nearest to the codebook entry (bfloat16
+# precision: relative error below 2^-8 per entry, far below the quantization error). The packed
+# indices are spread from 3-bit (or 2-bit) fields to nibbles with shifts and masks, eight at a time.
+# Per weight this is about 3.5 instructions (spread, lookup, assemble, FMA) instead of ~10 for bit
+# tests and selects.
+
+@triton.jit
+def _pattern(c):
+    """16-bit pattern P (uint32) with float32((P << 16) | P) nearest to the float32 scalar c."""
+    bits = c.to(tl.uint32, bitcast=True)
+    hi = bits >> 16
+    best = hi
+    err = tl.abs(((hi << 16) | hi).to(tl.float32, bitcast=True) - c)
+    for d in tl.static_range(2):
+        if d == 0:
+            p = (hi - 1) & 0xFFFF
+        else:
+            p = (hi + 1) & 0xFFFF
+        e = tl.abs(((p << 16) | p).to(tl.float32, bitcast=True) - c)
+        take = e < err
+        best = tl.where(take, p, best)
+        err = tl.where(take, e, err)
+    return best
+
+
+@triton.jit
+def _byte_tables(cb_ptr, NLEV: tl.constexpr):
+    """The codebook (NLEV <= 8 entries) as four uint32 byte tables: low bytes of entries 0-3, 4-7,
+    then high bytes of entries 0-3, 4-7 (missing entries are zero)."""
+    t0 = _pattern(tl.load(cb_ptr).to(tl.float32))
+    t1 = t0 & 0
+    t2 = t0 >> 8
+    t3 = t1
+    t0 = t0 & 0xFF
+    for i in tl.static_range(1, 8):
+        if i < NLEV:
+            p = _pattern(tl.load(cb_ptr + i).to(tl.float32))
+            if i < 4:
+                t0 = t0 | ((p & 0xFF) << (8 * i))
+                t2 = t2 | ((p >> 8) << (8 * i))
+            else:
+                t1 = t1 | ((p & 0xFF) << (8 * (i - 4)))
+                t3 = t3 | ((p >> 8) << (8 * (i - 4)))
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _prmt(a, b, sel):
+    """PTX `prmt.b32` (default mode, selector nibbles < 8), written out for the interpreter."""
+    out = sel & 0
+    for q in tl.static_range(4):
+        n = (sel >> (4 * q)) & 7
+        src = tl.where(n < 4, a, b)
+        out = out | (((src >> ((n & 3) * 8)) & 0xFF) << (8 * q))
+    return out
+
+
+_LUT8_ASM = tl.constexpr("""{
+.reg .b32 l, h, s;
+prmt.b32 l, $8, $9, $12;
+prmt.b32 h, $10, $11, $12;
+prmt.b32 $0, l, h, 0x4040;
+prmt.b32 $1, l, h, 0x5151;
+prmt.b32 $2, l, h, 0x6262;
+prmt.b32 $3, l, h, 0x7373;
+shr.b32 s, $12, 16;
+prmt.b32 l, $8, $9, s;
+prmt.b32 h, $10, $11, s;
+prmt.b32 $4, l, h, 0x4040;
+prmt.b32 $5, l, h, 0x5151;
+prmt.b32 $6, l, h, 0x6262;
+prmt.b32 $7, l, h, 0x7373;
+}""")
+
+
+@triton.jit
+def _lut8(d, t0, t1, t2, t3, USE_ASM: tl.constexpr):
+    """Eight float32 codebook values from eight 3-bit indices held as the nibbles of uint32 `d`."""
+    if USE_ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _LUT8_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [t0, t1, t2, t3, d],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+    else:
+        lo = _prmt(t0, t1, d)
+        hi = _prmt(t2, t3, d)
+        v0 = _prmt(lo, hi, 0x4040).to(tl.float32, bitcast=True)
+        v1 = _prmt(lo, hi, 0x5151).to(tl.float32, bitcast=True)
+        v2 = _prmt(lo, hi, 0x6262).to(tl.float32, bitcast=True)
+        v3 = _prmt(lo, hi, 0x7373).to(tl.float32, bitcast=True)
+        s = d >> 16
+        lo = _prmt(t0, t1, s)
+        hi = _prmt(t2, t3, s)
+        v4 = _prmt(lo, hi, 0x4040).to(tl.float32, bitcast=True)
+        v5 = _prmt(lo, hi, 0x5151).to(tl.float32, bitcast=True)
+        v6 = _prmt(lo, hi, 0x6262).to(tl.float32, bitcast=True)
+        v7 = _prmt(lo, hi, 0x7373).to(tl.float32, bitcast=True)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _nibbles(c, NLEV: tl.constexpr):
+    """Eight consecutive b-bit fields at the bottom of uint32 `c` (b = 3 or 2) spread to nibbles."""
+    if NLEV == 8:
+        a = (c & 0xFFF) | ((c << 4) & 0x0FFF0000)
+        a = (a & 0x003F003F) | ((a << 2) & 0x3F003F00)
+        a = (a & 0x07070707) | ((a << 1) & 0x70707070)
+    else:
+        a = (c & 0xFF) | ((c << 8) & 0x00FF0000)
+        a = (a & 0x000F000F) | ((a << 4) & 0x0F000F00)
+        a = (a & 0x03030303) | ((a << 2) & 0x30303030)
+    return a
+
+
+@triton.jit
+def _chunk(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr):
+    """Chunk CH (eight indices) of a unit: 3-bit units are 3 words / 32 indices (chunks at bits 0, 24,
+    48, 72), 2-bit units one word / 16 indices."""
+    if NLEV == 8:
+        if CH == 0:
+            c = w0
+        elif CH == 1:
+            c = (w0 >> 24) | (w1 << 8)
+        elif CH == 2:
+            c = (w1 >> 16) | (w2 << 16)
+        else:
+            c = w2 >> 8
+    else:
+        if CH == 0:
+            c = w0
+        else:
+            c = w0 >> 16
+    return c
+
+
+@triton.jit
+def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, stride_xm, stride_om,
+                     NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
+                     BM: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr):
+    """One program per BN weight rows x BM activation rows: one unit per lane, BN rows per thread; every
+    index is decoded once and multiplied into the BM activation rows.
+
+    EXPERTS > 0: the weight is EXPERTS stacked matrices of N rows, and output row p (BM == 1) is matrix
+    `idx[p]` times activation row `p // X_DIV` (routed (token, slot) pairs); an index outside
+    [0, EXPERTS) gives a zero row. Only the routed matrices are read."""
+    PER: tl.constexpr = 32 if NLEV == 8 else 16
+    WPU: tl.constexpr = 3 if NLEV == 8 else 1
+    NUT: tl.constexpr = NG * UPG
+    EVEN_U: tl.constexpr = NUT % BU == 0
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    t0, t1, t2, t3 = _byte_tables(cb_ptr, NLEV)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rl = tl.minimum(rn, N - 1)  # clamped rows: loads stay in bounds, their sums are not stored
+    if EXPERTS > 0:
+        e = tl.load(idx_ptr + pid_m).to(tl.int32)
+        live = (e >= 0) & (e < EXPERTS)
+        e = tl.where(live, e, 0).to(tl.int64)
+        pk_ptr += e * (N * NUT * WPU)
+        nrm_ptr += e * (N * NG)
+        rm = pid_m // X_DIV + tl.arange(0, BM)
+        mmask = rm >= 0
+    else:
+        rm = pid_m * BM + tl.arange(0, BM)
+        mmask = rm < M
+    ru = tl.arange(0, BU)
+    acc = tl.zeros([BM, BN, BU], dtype=tl.float32)
+    xrows = xt_ptr + rm[:, None] * stride_xm  # [BM, 1]
+    for u0 in tl.range(0, NUT, BU):
+        uu = u0 + ru
+        ptrs = pk_ptr + (rl[:, None] * NUT + uu[None, :]) * WPU
+        if EVEN_U:
+            w0 = tl.load(ptrs, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            if WPU == 3:
+                w1 = tl.load(ptrs + 1, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+                w2 = tl.load(ptrs + 2, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            else:
+                w1 = w0
+                w2 = w0
+            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
+            xm = mmask[:, None]
+        else:
+            um = (uu < NUT)[None, :]
+            w0 = tl.load(ptrs, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            if WPU == 3:
+                w1 = tl.load(ptrs + 1, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+                w2 = tl.load(ptrs + 2, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            else:
+                w1 = w0
+                w2 = w0
+            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
+            xm = mmask[:, None] & um
+        part = tl.zeros([BM, BN, BU], dtype=tl.float32)
+        for ch in tl.static_range(PER // 8):
+            d = _nibbles(_chunk(w0, w1, w2, ch, NLEV), NLEV)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, USE_ASM)
+            xp = xrows + (8 * ch) * NUT + uu[None, :]  # [BM, BU]
+            part += v0[None, :, :] * tl.load(xp, mask=xm, other=0.0)[:, None, :]
+            part += v1[None, :, :] * tl.load(xp + NUT, mask=xm, other=0.0)[:, None, :]
+            part += v2[None, :, :] * tl.load(xp + 2 * NUT, mask=xm, other=0.0)[:, None, :]
+            part += v3[None, :, :] * tl.load(xp + 3 * NUT, mask=xm, other=0.0)[:, None, :]
+            part += v4[None, :, :] * tl.load(xp + 4 * NUT, mask=xm, other=0.0)[:, None, :]
+            part += v5[None, :, :] * tl.load(xp + 5 * NUT, mask=xm, other=0.0)[:, None, :]
+            part += v6[None, :, :] * tl.load(xp + 6 * NUT, mask=xm, other=0.0)[:, None, :]
+            part += v7[None, :, :] * tl.load(xp + 7 * NUT, mask=xm, other=0.0)[:, None, :]
+        acc += part * nr[None, :, :]
+    y = tl.sum(acc, axis=2)  # [BM, BN]
+    if EXPERTS > 0:
+        y = tl.where(live, y, 0.0)
+        rm = pid_m + tl.arange(0, BM)
+    optr = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & (rn < N)[None, :])
+
+
+# Largest M served by the LUT GEMV (above it the tensor-core GEMV or dequantize + cuBLAS).
+LUT_MAX_M = 16
+
+
+def lut_unit(n_levels: int) -> int:
+    """Indices per unit of the LUT GEMV (0: that codebook size does not use it)."""
+    return {8: 32, 4: 16}.get(n_levels, 0)
+
+
+def _lut_config(n: int, nut: int, m: int = 1) -> tuple[int, int, int]:
+    """(BN, num_warps, BM) for the LUT GEMV, from the weight shape and the activation-row bucket
+    (1, 2, 4, 8, 16): one unit per lane, BN weight rows per thread, BM activation rows per program."""
+    bm = 1 if m <= 1 else min(16, triton.next_power_of_2(m))
+    warps = 4 if nut >= 128 else (2 if nut >= 64 else 1)
+    bn = 8 if n >= 8192 and bm <= 2 else 4
+    if bm >= 8:
+        bn = 2
+    return bn, warps, bm
+
+
+def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
+             group_size: int, out_dtype: torch.dtype, config=None, experts: int = 0,
+             expert_index: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
+    """Unit-major rotated activations (`rotate(..., unit=lut_unit(levels))`, float32) times a 2- or
+    3-bit packed weight -> `(M, rows)` in out_dtype.
+
+    With `experts` = E > 0 the weight is E stacked matrices (norms `(E*rows, n_groups)`) and the result
+    has one row per entry p of `expert_index` (flat, int): matrix `expert_index[p]` times activation row
+    `p // x_div`; entries outside [0, E) give zero rows."""
+    n_levels = codebook.numel()
+    if experts:
+        m = expert_index.numel()
+        n, ng = norms.shape[0] // experts, norms.shape[1]
+    else:
+        m = x_t.shape[0]
+        n, ng = norms.shape
+    per = lut_unit(n_levels)
+    if not per:
+        raise ValueError(f"the LUT GEMV serves 4- and 8-entry codebooks, not {n_levels}")
+    upg = group_size // per
+    nut = ng * upg
+    cfg = tuple(config or _lut_config(n, nut, 1 if experts else m))
+    bn, warps, bm = cfg if len(cfg) == 3 else (*cfg, 1)
+    if experts:
+        bm = 1
+    bu = min(32 * warps, triton.next_power_of_2(nut))
+    out = torch.empty(m, n, dtype=out_dtype, device=x_t.device)
+    if m == 0 or n == 0:
+        return out
+    pk = _packed_view(packed, 1)
+    idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _gemv_lut_kernel[grid](x_t, pk, norms, codebook, out, idx, m, n, x_t.stride(0), out.stride(0),
+                           NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm,
+                           USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, num_warps=warps)
     return out
 
 
@@ -635,10 +925,15 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
     The codebook product alone (the CUDA side of `turboquant_hf.ops.codebook_matmul`): any rotation of
     the activations (per-group WHT, whole-row Hadamard, ...) can feed it. `norms` are per-group scales
     and `codebook` the values they multiply, both tensors, so per-module codebooks work unchanged."""
-    norms = _f32(norms)
-    codebook = _f32(codebook)
     m = x_rot.shape[0]
     sixteen = out_dtype in (torch.bfloat16, torch.float16)
+    unit = lut_unit(codebook.numel())
+    if m <= LUT_MAX_M and sixteen and unit:
+        nut = x_rot.shape[1] // unit
+        x_t = x_rot.to(torch.float32).reshape(m, nut, unit).transpose(1, 2).reshape(m, unit * nut)
+        return gemv_lut(x_t, packed, norms, codebook, group_size, out_dtype)
+    norms = _f32(norms)
+    codebook = _f32(codebook)
     if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
         return gemv_fma(_f32(x_rot), packed, norms, codebook, group_size, out_dtype)
     if m <= DOT_MAX_M:
@@ -656,14 +951,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     m = x2.shape[0]
-    norms = _f32(norms)
-    codebook = _f32(codebook)
     s1, s2 = _f32(signs1), _f32(signs2)
     n, ng = norms.shape
     if m == 0:
         return x.new_empty(*lead, n)
     dt = x.dtype
     sixteen = dt in (torch.bfloat16, torch.float16)
+    unit = lut_unit(codebook.numel())
+    if m <= LUT_MAX_M and sixteen and unit:
+        x_t = rotate(x2, s1, s2, group_size, torch.float32, unit=unit)
+        return gemv_lut(x_t, packed, norms, codebook, group_size, dt).reshape(*lead, n)
+    norms = _f32(norms)
+    codebook = _f32(codebook)
     if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
         x_rot = rotate(x2, s1, s2, group_size, torch.float32)
         y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)

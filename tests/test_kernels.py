@@ -151,6 +151,109 @@ def test_linear_op_paths(L, bits, dtype):
         assert _rel(y, ref) < tol, (lead, _rel(y, ref))
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("g", [64, 128])
+def test_lut_gemv_matches_reference(L, bits, g):
+    """The byte-permute LUT GEMV (2- and 3-bit, M <= 16): default configs for M = 1, 3, 16, and configs
+    whose unit step does not divide the row (partial steps) or spans rows across lanes. Its codebook
+    values are rounded to 16-bit patterns (relative error < 2^-8 per entry), so it matches the float32
+    reference to ~2e-3, not 1e-5; the `_prmt` emulation runs here, the PTX `prmt` on the GPU."""
+    n, k = 20, 330
+    packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=5 * bits + g)
+    unit = L.lut_unit(cb.numel())
+    gen = torch.Generator().manual_seed(3)
+    for m in (1, 3, 16):
+        x = torch.randn(m, k, generator=gen)
+        ref = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
+        x_t = L.rotate(x, s1, s2, g, torch.float32, unit=unit)
+        # unit-major layout: column u*unit + j of the rotated row sits at j*n_units + u
+        x_rot = L.rotate(x, s1, s2, g, torch.float32)
+        nut = x_rot.shape[1] // unit
+        assert torch.equal(x_t, x_rot.view(m, nut, unit).transpose(1, 2).reshape(m, -1))
+        for cfg in (None, (4, 1, 2), (8, 2, 4)):
+            y = L.gemv_lut(x_t, packed, norms, cb, g, torch.float32, config=cfg)
+            err = _rel(y, ref)
+            assert 1e-5 < err < 4e-3, (m, cfg, err)  # > 1e-5: the rounded codebook is really in use
+        # the product alone, from the natural layout, in bf16
+        y = L.product(x_rot, packed, norms, cb, g, torch.bfloat16)
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2
+
+
+def test_lut_codebook_patterns(L):
+    """The 16-bit patterns P stand for the codebook entries with float32((P << 16) | P) within 2^-8."""
+    for nl in (4, 8):
+        for g in (64, 128):
+            cb = fmt.codebook(nl, g)
+            # decode every index once through the (emulated) permutes: one row of one group
+            per = L.lut_unit(nl)
+            idx = torch.arange(g) % nl
+            packed = codec.pack_indices(idx.view(1, g), nl)
+            norms = torch.ones(1, 1)
+            eye = torch.eye(g)
+            x_t = eye.view(g, g // per, per).transpose(1, 2).reshape(g, g).contiguous()
+            vals = L.gemv_lut(x_t, packed, norms, cb, g, torch.float32)[:, 0]
+            rel = ((vals - cb[idx]).abs() / cb[idx].abs()).max().item()
+            assert 0 < rel < 2.0**-8, (nl, g, rel)
+
+
+def test_lut_gemv_experts(L):
+    """Routed pairs: row p = expert idx[p] times activation row p // x_div; out-of-range indices give zeros."""
+    e, n, k, g = 5, 24, 200, 64
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(e, n, k, generator=gen)
+    packed, norms = codec.quantize_weight(w, 3, g)
+    cb = fmt.codebook(8, g)
+    s1, s2 = fmt.signs(g)
+    x = torch.randn(3, k, generator=gen)
+    idx = torch.tensor([[4, 0], [2, -1], [5, 1]])  # -1 and 5 (= E) are not experts
+    x_t = L.rotate(x, s1, s2, g, torch.float32, unit=L.lut_unit(8))
+    y = L.gemv_lut(x_t, packed, norms, cb, g, torch.float32, experts=e, expert_index=idx, x_div=2)
+    ng = norms.shape[1]
+    for p, ex in enumerate(idx.reshape(-1).tolist()):
+        if not 0 <= ex < e:
+            assert torch.equal(y[p], torch.zeros(n)), p
+            continue
+        ref = ops.turboquant_linear(x[p // 2 : p // 2 + 1], packed[ex * n * ng : (ex + 1) * n * ng],
+                                    norms[ex * n : (ex + 1) * n], cb, s1, s2, g, k)[0]
+        assert _rel(y[p], ref) < 4e-3, p
+
+
+@pytest.fixture(scope="module")
+def M(L):
+    """An interpreted copy of turboquant_hf.kernels.moe that uses the interpreted linear kernels."""
+    import turboquant_hf.kernels as kpkg
+
+    path = os.path.join(os.path.dirname(kpkg.__file__), "moe.py")
+    spec = importlib.util.spec_from_file_location("turboquant_hf.kernels._moe_interpreted", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.L = L
+    return mod
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_moe_experts_kernel_paths(L, M, bits):
+    """The CUDA implementation of the MoE op (run under the interpreter) against the torch reference:
+    the pair path (few tokens, 2/3-bit, bf16) and the grouped path (many tokens, or 4-bit)."""
+    e, h, inter, g = 6, 128, 64, 64
+    gen = torch.Generator().manual_seed(bits)
+    gu_p, gu_n = codec.quantize_weight(torch.randn(e, 2 * inter, h, generator=gen), bits, g)
+    d_p, d_n = codec.quantize_weight(torch.randn(e, h, inter, generator=gen), bits, g)
+    nl = fmt.levels_for_bits(bits)
+    cb = fmt.codebook(nl, g)
+    s1, s2 = fmt.signs(g)
+    for t in (2, 30):
+        hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        top_k_index = torch.randint(0, e, (t, 3), generator=gen)
+        top_k_index[0, 1] = e  # "no expert"
+        top_k_weights = torch.rand(t, 3, generator=gen)
+        args = (hidden, top_k_index, top_k_weights, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e, "silu")
+        ref = ops.turboquant_moe_experts(hidden.float(), *args[1:])
+        y = M.moe_experts(*args)
+        assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
+        assert _rel(y, ref) < 1.5e-2, (t, _rel(y, ref))
+
+
 def test_unit_geometry_covers_groups(L):
     for nl in (3, 4, 8, 16):
         for g in fmt.GROUP_SIZES:

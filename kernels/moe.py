@@ -1,0 +1,87 @@
+"""CUDA implementation of `torch.ops.turboquant.moe_experts` (routed experts, packed weights).
+
+Decode (at most `PAIR_MAX_ROWS` routed (token, slot) pairs, 2- or 3-bit experts, 16-bit activations):
+five launches and no host synchronisation, so the layer can be captured in a CUDA graph:
+
+1. `rotate` the tokens once (every expert of a token reads the same rotated row);
+2. the LUT GEMV over pairs: row p of the result is expert `top_k_index[p]`'s gate/up matrix times token
+   `p // top_k` (only routed experts are read; an index outside [0, E) gives zeros);
+3. `act(gate) * up` in float32;
+4. `rotate` each pair's intermediate row;
+5. the LUT GEMV over pairs with the down matrices, then the top-k weighted sum per token.
+
+Otherwise (prefill, other bit widths): tokens are grouped by expert (one host synchronisation for the
+counts, as transformers' own expert loop does) and each routed expert runs `linear.product` on its
+tokens (the LUT/tensor-core GEMV or dequantize + cuBLAS, by token count).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import linear as L
+
+# Most (token, slot) pairs served by the pair GEMV path.
+PAIR_MAX_ROWS = 64
+
+
+def _activation(name: str):
+    from turboquant_hf.ops import ACTIVATIONS
+
+    return ACTIVATIONS[name]
+
+
+def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
+                down_packed, down_norms, down_codebook, signs1, signs2, group_size: int, num_experts: int,
+                activation: str) -> torch.Tensor:
+    t, h = hidden.shape
+    k = top_k_index.shape[1]
+    e = num_experts
+    inter = gate_up_norms.shape[0] // e // 2
+    act = _activation(activation)
+    s1, s2 = L._f32(signs1), L._f32(signs2)
+    unit_gu = L.lut_unit(gate_up_codebook.numel())
+    unit_d = L.lut_unit(down_codebook.numel())
+    if t == 0:
+        return torch.zeros_like(hidden)
+    sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
+    if t * k <= PAIR_MAX_ROWS and unit_gu and unit_d and sixteen:
+        idx = top_k_index.reshape(-1)
+        x_t = L.rotate(hidden, s1, s2, group_size, torch.float32, unit=unit_gu)
+        gu = L.gemv_lut(x_t, gate_up_packed, gate_up_norms, gate_up_codebook, group_size, torch.float32,
+                        experts=e, expert_index=idx, x_div=k)
+        mid = act(gu[:, :inter]) * gu[:, inter:]
+        mid_t = L.rotate(mid, s1, s2, group_size, torch.float32, unit=unit_d)
+        y = L.gemv_lut(mid_t, down_packed, down_norms, down_codebook, group_size, torch.float32,
+                       experts=e, expert_index=idx, x_div=1)
+        out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
+        return out.to(hidden.dtype)
+    return _grouped(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
+                    down_packed, down_norms, down_codebook, s1, s2, group_size, e, act, inter)
+
+
+def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2,
+             g, e, act, inter):
+    from turboquant_hf.ops import expert_groups
+
+    t, h = hidden.shape
+    dt = hidden.dtype  # the products run in the activations' dtype (float32 accumulation); sums in float32
+    gu_rows = 2 * inter
+    ng_h = gu_norms.shape[1]
+    ng_i = d_norms.shape[1]
+    x_rot = L.rotate(hidden, s1, s2, g, torch.float32)
+    tokens, slots, counts = expert_groups(top_k_index, e)
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    start = 0
+    for ex, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        tok, slot = tokens[start:start + n], slots[start:start + n]
+        start += n
+        gu = L.product(x_rot[tok], gu_packed[ex * gu_rows * ng_h:(ex + 1) * gu_rows * ng_h],
+                       gu_norms[ex * gu_rows:(ex + 1) * gu_rows], gu_cb, g, dt).float()
+        mid = act(gu[:, :inter]) * gu[:, inter:]
+        y = L.product(L.rotate(mid, s1, s2, g, torch.float32), d_packed[ex * h * ng_i:(ex + 1) * h * ng_i],
+                      d_norms[ex * h:(ex + 1) * h], d_cb, g, dt).float()
+        out.index_add_(0, tok, y * top_k_weights[tok, slot, None].float())
+    return out.to(hidden.dtype)
