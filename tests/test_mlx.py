@@ -400,6 +400,19 @@ def test_affine_mlx_checkpoint_is_refused(fixtures):
         AutoModelForCausalLM.from_pretrained(d, quantization_config=TurboQuantConfig())
 
 
+def test_older_affine_block_without_mode_is_refused(fixtures, tmp_path):
+    d = fixtures.converted("llama", "mlx-affine",
+                           converter=["-m", "mlx_lm.convert", "-q", "--q-bits", "4", "--q-group-size", "64"])
+
+    def drop_mode(config):
+        for block in ("quantization", "quantization_config"):
+            config[block].pop("mode", None)
+
+    path = _copy_checkpoint(d, tmp_path / "old", edit_config=drop_mode)
+    with pytest.raises(ValueError, match="MLX quantization mode 'affine' \\(bits 4, group_size 64\\)"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
 def test_affine_module_in_a_turboquant_checkpoint_is_named(fixtures, tmp_path):
     d = fixtures.converted("llama", "tq3")
     name = "model.layers.1.self_attn.v_proj"

@@ -388,8 +388,9 @@ def accept_mlx_quantization_blocks() -> None:
         return
 
     def supports_quant_method(quantization_config_dict):
+        # MLX's blocks: {"group_size", "bits"[, "mode"]} (no "mode" in older affine ones), never a quant_method
         if isinstance(quantization_config_dict, dict) and "quant_method" not in quantization_config_dict \
-                and "mode" in quantization_config_dict and "group_size" in quantization_config_dict:
+                and "group_size" in quantization_config_dict and "bits" in quantization_config_dict:
             from .config import TurboQuantConfig
 
             converted = TurboQuantConfig.from_mlx(quantization_config_dict).to_dict()
