@@ -164,11 +164,24 @@ def measure_quantize_on_device(device: torch.device, bits: int, group_size: int,
     q = _SliceQuantizer(bits, group_size, device)
     slice_elems = _CUDA_SLICE if device.type == "cuda" else _CPU_SLICE
 
-    def run():
-        for w in weights:
-            rows = max(1, slice_elems // w.shape[1])
-            for r in range(0, w.shape[0], rows):
-                q(w[r:r + rows], "w", r)
+    slices = [(w, r, max(1, slice_elems // w.shape[1])) for w in weights
+              for r in range(0, w.shape[0], max(1, slice_elems // w.shape[1]))]
+
+    def one(job):
+        w, r, rows = job
+        return q(w[r:r + rows], "w", r)
+
+    if device.type == "cpu":  # as the converter does: single-threaded workers, one per torch thread
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(torch.get_num_threads(), initializer=torch.set_num_threads, initargs=(1,))
+
+        def run():
+            list(pool.map(one, slices))
+    else:
+        def run():
+            for job in slices:
+                one(job)
 
     run()  # warm-up: kernels, caches
     _sync(device)
@@ -218,7 +231,8 @@ def main(argv=None) -> int:
             f"{torch.get_num_threads()}", "versions": _versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv or sys.argv[1:])),
-            "layers": args.layers, "bits": args.bits, "group_size": args.group_size}
+            "layers": args.layers, "bits": args.bits, "group_size": args.group_size,
+            "load_average_before": os.getloadavg()[0]}
     rows = []
     try:
         t0 = time.perf_counter()
@@ -268,7 +282,9 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     info["results"] = [{"what": w, "seconds": s, "rate": r, "unit": u} for w, s, r, u in rows]
+    info["load_average_after"] = os.getloadavg()[0]
     print(f"\n{info['device']}; {info['date']}; " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(f"load average (1 min) before / after: {info['load_average_before']:.2f} / {info['load_average_after']:.2f}")
     print(f"`{info['command']}`: {human_count(meta['params'])} params, {human_bytes(meta['bytes'])} of bf16, "
           f"{args.bits}-bit G={args.group_size}\n")
     print("| measurement | seconds | rate |\n|---|---:|---:|")

@@ -69,17 +69,24 @@ def _convert(src, out, **kw):
     return TurboQuantizer.from_pretrained(src).quantize(out, **kw)
 
 
+# The child reports its own peak resident memory (VmHWM, which starts afresh at exec) when it exits: the kernel's
+# ru_maxrss of a child also counts the pages of the forked parent (pytest) before the exec.
+_CHILD = """import atexit, runpy, sys
+def report():
+    with open("/proc/self/status") as f:
+        sys.stderr.write("PEAK_RSS_KB " + next(l for l in f if l.startswith("VmHWM")).split()[1] + "\\n")
+atexit.register(report)
+sys.argv = ["turboquant-hf"] + sys.argv[1:]
+runpy.run_module("turboquant_hf", run_name="__main__", alter_sys=True)
+"""
+
+
 def _run_cli(args, cwd):
-    """`python -m turboquant_hf ARGS` in a subprocess: (exit code, stdout, stderr, peak resident bytes of the child,
-    from the kernel's accounting)."""
-    with open(os.path.join(cwd, "stdout.txt"), "w+") as out, open(os.path.join(cwd, "stderr.txt"), "w+") as err:
-        p = subprocess.Popen([sys.executable, "-m", "turboquant_hf", *map(str, args)], cwd=cwd, stdout=out,
-                             stderr=err, stdin=subprocess.DEVNULL)
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return p.returncode, out.read(), err.read(), usage.ru_maxrss * 1024
+    """`turboquant-hf ARGS` in a subprocess: (exit code, stdout, stderr, peak resident bytes of the child)."""
+    p = subprocess.run([sys.executable, "-c", _CHILD, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    peaks = [int(line.split()[1]) * 1024 for line in p.stderr.splitlines() if line.startswith("PEAK_RSS_KB ")]
+    return p.returncode, p.stdout, p.stderr, peaks[-1] if peaks else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -211,6 +218,18 @@ def test_memory_budget_slices_without_changing_bytes(tiny_llama_dir, tmp_path):
     assert a.bytes_in == converter.total_bytes
 
 
+def test_device_path_writes_the_same_bytes(tiny_llama_dir, tmp_path, monkeypatch):
+    """The path a GPU takes (one thread reads ahead, the main thread quantizes on the device) gives the bytes of
+    the CPU worker pool: run here on the CPU device."""
+    from turboquant_hf import converter
+
+    kw = dict(max_memory=100_000, max_shard_size=150_000)
+    _convert(tiny_llama_dir, tmp_path / "pool", **kw)
+    monkeypatch.setattr(converter, "_POOLED_DEVICES", ())
+    _convert(tiny_llama_dir, tmp_path / "device", **kw)
+    _same_files(tmp_path / "pool", tmp_path / "device")
+
+
 def test_budget_smaller_than_the_largest_tensor_is_refused(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     converter = TurboQuantizer.from_pretrained(tiny_llama_dir)
     monkeypatch.setattr(TurboQuantizer, "_plan", lambda *a: pytest.fail("work started despite the refusal"))
@@ -253,6 +272,8 @@ def test_peak_memory_does_not_grow_with_the_model(synthetic, tmp_path):
         assert summary["peak_rss"] - summary["peak_rss_before"] <= largest, summary
         assert summary["peak_rss"] <= peak
         peaks[name] = peak
+        print(f"{name}: peak RSS {peak / 1e6:.0f} MB, tensor work {(summary['peak_rss'] - summary['peak_rss_before']) / 1e6:.0f}"
+              f" MB, {summary['seconds']:.1f} s")
         assert len(summary["shards"]) == 1
         shutil.rmtree(tmp_path / name)
     assert abs(peaks["4gb"] - peaks["1gb"]) < largest, peaks

@@ -76,6 +76,8 @@ _SCALE_TENSOR = re.compile(r"^(.*)\.(weight_scale_inv|weight_scale|weight_scale_
 _BYTES_PER_ELEMENT = 32
 _CPU_SLICE = 1 << 18  # weights per slice on CPU: its temporaries (8 MB) stay in the caches
 _CUDA_SLICE = 1 << 26
+# devices whose slices are quantized by the worker pool; on the others (CUDA) the main thread quantizes
+_POOLED_DEVICES = ("cpu",)
 _COPY_SLICE = 1 << 20  # bytes per slice of a tensor copied as it is (small: see _convert on memory)
 
 
@@ -766,9 +768,9 @@ class TurboQuantizer(_QuantizerBase):
         pending = {f: len(entries) for f, entries in layout}  # tensors still to finish per shard
         entries_of = dict(layout)
         todo = [u for u in units if any(where[n] not in done_files for n, _, _ in u.outputs)]
-        on_cpu = device.type == "cpu"
-        workers = max(1, torch.get_num_threads()) if on_cpu else 1
-        in_flight = workers + 1 if on_cpu else 2
+        on_cpu = device.type in _POOLED_DEVICES
+        workers = max(1, torch.get_num_threads()) if on_cpu else 2  # on a GPU: two threads read ahead
+        in_flight = workers + 1
         slice_elems = _CPU_SLICE if on_cpu else _CUDA_SLICE
         copy_bytes = _COPY_SLICE
         if max_memory is not None:  # every slice in flight at once, with its temporaries, within the budget
@@ -913,13 +915,13 @@ class TurboQuantizer(_QuantizerBase):
 
     def _write_card(self, out_dir, save_dir, base_model, build_info) -> None:
         """The model card README.md, rendered from the files by the same generator save_pretrained uses."""
-        from . import card as tq_card
-
         info = build_info or {}
-        with open(os.path.join(out_dir, tq_card.BUILD_NAME), "w") as f:
-            json.dump(tq_card.build_record(base_model=base_model, source=self.source_dir,
-                                           command=info.get("command"), recipe=info.get("recipe")), f, indent=2)
         try:
+            from . import card as tq_card
+
+            with open(os.path.join(out_dir, tq_card.BUILD_NAME), "w") as f:
+                json.dump(tq_card.build_record(base_model=base_model, source=self.source_dir,
+                                               command=info.get("command"), recipe=info.get("recipe")), f, indent=2)
             tq_card.write_card(out_dir, base_model=base_model, repo_id=info.get("repo_id"),
                                name=os.path.basename(save_dir))
         except Exception as e:  # the weights are complete; a card that cannot be rendered must not lose them
