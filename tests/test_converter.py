@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from turboquant_hf import TurboQuantConfig, cli, codec
 from turboquant_hf import format as fmt
 from turboquant_hf.checkpoint import CheckpointError, read_checkpoint_index
+from hub_fixtures import hub_env, hub_in_process, local_hub  # noqa: F401  (fixtures)
 from turboquant_hf.converter import (STATE_NAME, ConversionError, TurboQuantizer, _ShardWriter, _SliceQuantizer,
                                      _source_index)
 
@@ -434,6 +435,26 @@ def test_cli_streaming_keeps_layers_in_the_same_dtype(tiny_llama_dir, tmp_path, 
     _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
     assert _tensors(tmp_path / "out")["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
+
+
+def test_cli_streams_a_hub_repo(tiny_llama_dir, tmp_path, hub_in_process, capsys):
+    """A Hub repo id: the weights come down as safetensors (snapshot), then stream; a --max-memory below the
+    size the Hub reports picks the converter by itself."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub_in_process.url, token=hub_in_process.token)
+    repo = api.create_repo("tiny-llama-bf16").repo_id
+    api.upload_folder(folder_path=tiny_llama_dir, repo_id=repo)
+    largest = TurboQuantizer.from_pretrained(tiny_llama_dir).largest_tensor_bytes
+    assert cli.main(["quantize", repo, "--out", str(tmp_path / "asked"), "--streaming", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["converter"] == "streaming"
+    assert cli.main(["quantize", repo, "--out", str(tmp_path / "budget"), "--max-memory", str(largest),
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["converter"] == "streaming"
+    _convert(tiny_llama_dir, tmp_path / "local")
+    _assert_same_tensors(tmp_path / "asked", tmp_path / "local")
+    _assert_same_tensors(tmp_path / "budget", tmp_path / "local")
+    assert "base_model: " + repo in (tmp_path / "asked" / "README.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------------

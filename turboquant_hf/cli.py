@@ -165,11 +165,11 @@ def _source_bytes(src: str) -> int | None:
 
     if os.path.isdir(src):
         return sum(os.path.getsize(f) for f in tq_card.safetensors_files(src))
-    try:
-        info = _hub_api().model_info(src, files_metadata=True)
-        sizes = [s.size for s in info.siblings or [] if s.rfilename.endswith(".safetensors")]
-        return sum(sizes) if sizes and None not in sizes else None
-    except Exception:  # offline, or a Hub without file metadata: the in-memory path decides for itself
+    try:  # the safetensors headers (a few KB per file)
+        meta = _hub_api().get_safetensors_metadata(src)
+        return sum(t.data_offsets[1] - t.data_offsets[0] for f in meta.files_metadata.values()
+                   for t in f.tensors.values())
+    except Exception:  # offline, or not a safetensors repo: the in-memory path decides for itself
         return None
 
 

@@ -497,7 +497,7 @@ class TurboQuantizer(_QuantizerBase):
                 raise ConversionError(f"{model_or_path}: neither a local checkpoint folder nor a Hub repo id")
             from huggingface_hub import snapshot_download
 
-            path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json", "*" + ".jinja", "*.model",
+            path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json", "*.jinja", "*.model",
                                                            "*.txt", "*.tiktoken", "README.md"])
         return cls(path)
 
