@@ -11,7 +11,7 @@ Writes a bf16 checkpoint with real layer shapes (hidden 2048, intermediate 5632,
    checkpoint in the same run, and the ratio.
 
     python benchmarks/convert_speed.py --layers 8                     # CPU, with the peer writer
-    python benchmarks/convert_speed.py --layers 40 --device cuda      # H200: ~4 GB of bf16
+    python benchmarks/convert_speed.py --layers 80 --device cuda      # H200: 7.3 GB of bf16
 
 Prints a Markdown row per measurement and, with --json FILE, writes them as JSON.
 """
@@ -192,6 +192,17 @@ def measure_quantize_on_device(device: torch.device, bits: int, group_size: int,
     return time.perf_counter() - start, repeats * sum(w.numel() for w in weights)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -227,7 +238,7 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     src = os.path.join(work, "src")
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-            f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), torch threads "
+            f"CPU: {os.cpu_count()} cores of {_cpu_name()}, torch threads "
             f"{torch.get_num_threads()}", "versions": _versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv or sys.argv[1:])),
