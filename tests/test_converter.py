@@ -550,7 +550,7 @@ def test_faster_than_the_peer_writer(tmp_path):
     """On the same synthetic checkpoint in the same process: at least twice the peer's save_tq3_checkpoint."""
     peer = pytest.importorskip("turboquant_vllm.checkpoint")
     src = str(tmp_path / "src")
-    meta = _bench().write_synthetic_llama(src, 1, vocab=4000)  # 44M weights quantized, 16M kept
+    meta = _bench().write_synthetic_llama(src, 2, hidden=1024, heads=16, intermediate=2816, vocab=4000)  # 22M + 8M
     TurboQuantizer.from_pretrained(src)._targets(TurboQuantConfig())  # imports the model class: not timed
     start = time.perf_counter()
     _convert(src, tmp_path / "ours")
