@@ -437,6 +437,19 @@ def test_cli_streaming_keeps_layers_in_the_same_dtype(tiny_llama_dir, tmp_path, 
     assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
 
 
+def test_cli_streaming_with_eval(tiny_llama_dir, tmp_path, capsys):
+    """--eval after a streaming conversion: measured against the source and written into the card."""
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(["the a of to and in is it you that he was for on are with as his they be"] * 10))
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "out"), "--streaming", "--bits", "4",
+                     "--eval", str(text), "--max-tokens", "100", "--window", "64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["converter"] == "streaming" and result["eval"]["tokens"] == 99
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert f"| perplexity | {result['eval']['base_perplexity']:.3f} | {result['eval']['quantized_perplexity']:.3f} |" \
+        in readme
+
+
 def test_cli_streams_a_hub_repo(tiny_llama_dir, tmp_path, hub_in_process, capsys):
     """A Hub repo id: the weights come down as safetensors (snapshot), then stream; a --max-memory below the
     size the Hub reports picks the converter by itself."""
