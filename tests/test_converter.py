@@ -383,6 +383,10 @@ def test_progress_summary_and_card(tiny_llama_dir, tmp_path, capsys):
     assert summary.bytes_out == sum(v.numel() * v.element_size() for v in out.values())
     total = summary.params_quantized + summary.params_kept
     assert summary.bits_per_weight == pytest.approx(8 * summary.bytes_out / total)
+    packed_bytes = sum(v.numel() * v.element_size() for k, v in out.items() if k.endswith(fmt.PACKED_SUFFIX)
+                       or k.endswith(fmt.NORMS_SUFFIX))
+    assert summary.bits_per_quantized_weight == pytest.approx(8 * packed_bytes / summary.params_quantized)
+    assert 3.25 <= summary.bits_per_quantized_weight < 3.4  # 3 bits + a float32 norm per 128 (+ padding)
     assert summary.seconds > 0 and summary.params_per_second == pytest.approx(total / summary.seconds)
     assert summary.text() in err
     for part in (f"quantized {tq_card.human_count(summary.params_quantized)} params",

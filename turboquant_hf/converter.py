@@ -95,6 +95,7 @@ class ConversionSummary:
     params_kept: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    bytes_out_quantized: int = 0  # packed indices and norms
     seconds: float = 0.0
     shards: list = field(default_factory=list)
     shards_resumed: int = 0  # finished shards of an interrupted run that were kept
@@ -109,12 +110,17 @@ class ConversionSummary:
         return 8 * self.bytes_out / total if total else 0.0
 
     @property
+    def bits_per_quantized_weight(self) -> float:
+        return 8 * self.bytes_out_quantized / self.params_quantized if self.params_quantized else 0.0
+
+    @property
     def params_per_second(self) -> float:
         return self.params_processed / self.seconds if self.seconds else 0.0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["bits_per_weight"] = self.bits_per_weight
+        d["bits_per_quantized_weight"] = self.bits_per_quantized_weight
         d["params_per_second"] = self.params_per_second
         return d
 
@@ -125,7 +131,8 @@ class ConversionSummary:
         return (f"quantized {human_count(self.params_quantized)} params, kept {human_count(self.params_kept)} in "
                 f"full precision; {human_bytes(self.bytes_in)} in, {human_bytes(self.bytes_out)} out in "
                 f"{len(self.shards)} shard{'s' if len(self.shards) != 1 else ''}{resumed}; "
-                f"{self.bits_per_weight:.3f} bits per weight; {self.seconds:.1f} s, "
+                f"{self.bits_per_weight:.3f} bits per weight ({self.bits_per_quantized_weight:.3f} in the quantized "
+                f"ones); {self.seconds:.1f} s, "
                 f"{human_count(self.params_per_second)} params/s on {self.device}")
 
 
@@ -720,6 +727,7 @@ class TurboQuantizer(_QuantizerBase):
         for unit in units:
             if unit.target is not None:
                 summary.params_quantized += unit.numel
+                summary.bytes_out_quantized += sum(math.prod(s) * ckpt._DTYPE_BYTES[d] for _, d, s in unit.outputs)
             else:
                 summary.params_kept += unit.numel
             summary.bytes_in += unit.nbytes_in
