@@ -200,7 +200,7 @@ def _quantize_streaming(args, argv, cfg, recipe, out: str, why: str) -> int:
         converter = TurboQuantizer.from_pretrained(args.src)
         summary = converter.quantize(
             out, quantization_config=cfg, max_shard_size=args.max_shard_size, max_memory=args.max_memory,
-            device=None if args.device == "auto" else args.device, progress=progress, resume=args.resume,
+            device=None if args.device in (None, "auto") else args.device, progress=progress, resume=args.resume,
             overwrite=args.force, dtype=args.dtype, base_model=args.base_model,
             build_info={"command": _command_line(argv), "recipe": recipe, "repo_id": args.push_to_hub})
     except (ConversionError, FileExistsError, ValueError) as e:
@@ -259,7 +259,7 @@ def cmd_quantize(args, argv) -> int:
 
         bar.set_postfix_str(steps[0])
         dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-        kw = {"device_map": args.device} if args.device != "cpu" else {}
+        kw = {"device_map": args.device} if args.device not in (None, "cpu") else {}
         model = AutoModelForCausalLM.from_pretrained(args.src, quantization_config=cfg, dtype=dtype, **kw)
         if args.base_model:
             model._turboquant_original_model = args.base_model
@@ -742,7 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(default: SRC when it is a Hub id)")
     p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"),
                    help="dtype of the layers kept in full precision (default bfloat16)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (device_map)")
+    p.add_argument("--device", help="cpu, cuda, or auto (device_map); default: cpu when the model is loaded whole, "
+                                    "the best available (cuda if present) for the streaming converter")
     p.add_argument("--eval", metavar="TEXT", help="a text file: measure perplexity and KL against SRC, into the card")
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens of --eval text to use (default 1024)")
     p.add_argument("--window", type=int, default=512, help="evaluation window in tokens (default 512)")
