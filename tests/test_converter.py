@@ -271,7 +271,7 @@ def test_peak_memory_does_not_grow_with_the_model(synthetic, tmp_path):
         summary = result["summary"]
         assert result["converter"] == "streaming" and summary["params_processed"] == meta[name]["params"]
         assert summary["peak_rss"] - summary["peak_rss_before"] <= largest, summary
-        assert summary["peak_rss"] <= peak
+        assert summary["peak_rss"] <= peak + 2**20  # the kernel's per-thread counters drift by a few pages
         peaks[name] = peak
         print(f"{name}: peak RSS {peak / 1e6:.0f} MB, tensor work {(summary['peak_rss'] - summary['peak_rss_before']) / 1e6:.0f}"
               f" MB, {summary['seconds']:.1f} s")
