@@ -183,8 +183,8 @@ DOT_SWEEP = [(64, 4, 1, 0), (64, 4, 1, 0x01010101), (64, 4, 1, 0x11111111), (32,
              (128, 8, 1, 0x01010101), (64, 8, 1, 0x01010101), (32, 4, 1, 0)]
 
 
-LUT_SWEEP = [(8, 4, 0), (8, 4, 2), (8, 4, 4), (4, 4, 0), (4, 4, 4), (8, 2, 0), (8, 2, 4), (8, 2, 8), (4, 8, 0),
-             (4, 8, 2), (8, 8, 2), (16, 4, 2), (4, 2, 8), (2, 4, 8)]
+LUT_SWEEP = [(8, 4, 1), (4, 4, 1), (8, 2, 1), (4, 8, 1), (16, 4, 1), (8, 8, 1),
+             (4, 4, 2), (8, 4, 2), (2, 4, 2), (4, 4, 4), (2, 4, 4), (8, 4, 4), (4, 2, 4), (1, 4, 4)]
 LUT_ONLY = False
 
 
@@ -222,13 +222,22 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
         del bbufs
         rows.append(dict(shape=label, bits=str(case.bits), M=m, variant="bf16 F.linear", us=t_b))
         variants = []
-        if m == 1 and LUT_ONLY:
+        if LUT_ONLY:
             unit = L.lut_unit(nl)
             x_t = L.rotate(x, case.s1, case.s2, g, torch.float32, unit=unit)
-            d0 = L._lut_config(n, ng * g // unit)
-            for cfg in [d0] + [c for c in LUT_SWEEP if c != d0]:
+            t_r, _ = time_calls([lambda: L.rotate(x, case.s1, case.s2, g, torch.float32, unit=unit)] * 8, True)
+            rows.append(dict(shape=label, bits=str(case.bits), M=m, variant="rotate (unit-major) only", us=t_r))
+            variants.append(("whole op", lambda p, nr: torch.ops.turboquant.linear(x, p, nr, case.cb, case.s1, case.s2,
+                                                                                   g, k)))
+            d0 = L._lut_config(n, ng * g // unit, m)
+            sweep = [c for c in LUT_SWEEP if c[2] == d0[2]] if m > 1 else [c[:2] + (1,) for c in LUT_SWEEP[:6]]
+            for cfg in [d0] + [c for c in sweep if c != d0]:
                 variants.append((f"lut gemv only {cfg}" + (" *" if cfg == d0 else ""),
                                  lambda p, nr, cfg=cfg: L.gemv_lut(x_t, p, nr, case.cb, g, torch.bfloat16, config=cfg)))
+            if m > 1:
+                x_r16 = L.rotate(x, case.s1, case.s2, g, torch.bfloat16)
+                variants.append(("dot gemv only (default)", lambda p, nr: L.gemv_dot(
+                    x_r16, p, nr, case.cb, g, torch.bfloat16)))
         elif m == 1:
             x_rot = L.rotate(x, case.s1, case.s2, g, torch.float32)
             t_r, _ = time_calls([lambda: L.rotate(x, case.s1, case.s2, g, torch.float32)] * 8, True)
@@ -299,10 +308,10 @@ def main() -> int:
         global LUT_ONLY
         LUT_ONLY = True
         args.sweep = True
-        for bits in (3, 2):
+        for bits in (3,):
             for label, k, n in shapes:
                 case = Case(k, n, bits)
-                rows += sweep_case(case, label, ms=(1,))
+                rows += sweep_case(case, label, ms=(1, 2, 4))
                 del case
                 torch.cuda.empty_cache()
     elif args.sweep:

@@ -712,8 +712,87 @@ def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, st
     tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & (rn < N)[None, :])
 
 
+@triton.jit
+def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stride_xm, stride_om,
+                      NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
+                      USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr):
+    """`_gemv_lut_kernel` for one activation row per program, on 2-D `[BN, BU]` tiles (the 3-D tiles of
+    the general kernel cost this case a third of its speed on an H200)."""
+    PER: tl.constexpr = 32 if NLEV == 8 else 16
+    WPU: tl.constexpr = 3 if NLEV == 8 else 1
+    NUT: tl.constexpr = NG * UPG
+    EVEN_U: tl.constexpr = NUT % BU == 0
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    t0, t1, t2, t3 = _byte_tables(cb_ptr, NLEV)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rl = tl.minimum(rn, N - 1)  # clamped rows: loads stay in bounds, their sums are not stored
+    if EXPERTS > 0:
+        e = tl.load(idx_ptr + m).to(tl.int32)
+        live = (e >= 0) & (e < EXPERTS)
+        e = tl.where(live, e, 0).to(tl.int64)
+        pk_ptr += e * (N * NUT * WPU)
+        nrm_ptr += e * (N * NG)
+        xrow = xt_ptr + (m // X_DIV) * stride_xm
+    else:
+        xrow = xt_ptr + m * stride_xm
+    ru = tl.arange(0, BU)
+    acc = tl.zeros([BN, BU], dtype=tl.float32)
+    for u0 in tl.range(0, NUT, BU):
+        uu = u0 + ru
+        ptrs = pk_ptr + (rl[:, None] * NUT + uu[None, :]) * WPU
+        if EVEN_U:
+            w0 = tl.load(ptrs, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            if WPU == 3:
+                w1 = tl.load(ptrs + 1, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+                w2 = tl.load(ptrs + 2, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            else:
+                w1 = w0
+                w2 = w0
+            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
+        else:
+            um = (uu < NUT)[None, :]
+            w0 = tl.load(ptrs, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            if WPU == 3:
+                w1 = tl.load(ptrs + 1, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+                w2 = tl.load(ptrs + 2, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            else:
+                w1 = w0
+                w2 = w0
+            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
+            xm = uu < NUT
+        part = tl.zeros([BN, BU], dtype=tl.float32)
+        for ch in tl.static_range(PER // 8):
+            d = _nibbles(_chunk(w0, w1, w2, ch, NLEV), NLEV)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, USE_ASM)
+            xp = xrow + (8 * ch) * NUT + uu
+            if EVEN_U:
+                part += v0 * tl.load(xp)[None, :]
+                part += v1 * tl.load(xp + NUT)[None, :]
+                part += v2 * tl.load(xp + 2 * NUT)[None, :]
+                part += v3 * tl.load(xp + 3 * NUT)[None, :]
+                part += v4 * tl.load(xp + 4 * NUT)[None, :]
+                part += v5 * tl.load(xp + 5 * NUT)[None, :]
+                part += v6 * tl.load(xp + 6 * NUT)[None, :]
+                part += v7 * tl.load(xp + 7 * NUT)[None, :]
+            else:
+                part += v0 * tl.load(xp, mask=xm, other=0.0)[None, :]
+                part += v1 * tl.load(xp + NUT, mask=xm, other=0.0)[None, :]
+                part += v2 * tl.load(xp + 2 * NUT, mask=xm, other=0.0)[None, :]
+                part += v3 * tl.load(xp + 3 * NUT, mask=xm, other=0.0)[None, :]
+                part += v4 * tl.load(xp + 4 * NUT, mask=xm, other=0.0)[None, :]
+                part += v5 * tl.load(xp + 5 * NUT, mask=xm, other=0.0)[None, :]
+                part += v6 * tl.load(xp + 6 * NUT, mask=xm, other=0.0)[None, :]
+                part += v7 * tl.load(xp + 7 * NUT, mask=xm, other=0.0)[None, :]
+        acc += part * nr
+    y = tl.sum(acc, axis=1)
+    if EXPERTS > 0:
+        y = tl.where(live, y, 0.0)
+    tl.store(out_ptr + m * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
 # Largest M served by the LUT GEMV (above it the tensor-core GEMV or dequantize + cuBLAS).
-LUT_MAX_M = 16
+LUT_MAX_M = 4
 
 
 def lut_unit(n_levels: int) -> int:
@@ -726,7 +805,7 @@ def _lut_config(n: int, nut: int, m: int = 1) -> tuple[int, int, int]:
     (1, 2, 4, 8, 16): one unit per lane, BN weight rows per thread, BM activation rows per program."""
     bm = 1 if m <= 1 else min(16, triton.next_power_of_2(m))
     warps = 4 if nut >= 128 else (2 if nut >= 64 else 1)
-    bn = 8 if n >= 8192 and bm <= 2 else 4
+    bn = 8 if (n >= 8192 and bm <= 2) or bm == 4 else 4
     if bm >= 8:
         bn = 2
     return bn, warps, bm
@@ -763,6 +842,11 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
         return out
     pk = _packed_view(packed, 1)
     idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
+    if bm == 1:
+        _gemv_lut1_kernel[(triton.cdiv(n, bn), m)](
+            x_t, pk, norms, codebook, out, idx, n, x_t.stride(0), out.stride(0), NG=ng, NLEV=n_levels, UPG=upg,
+            BN=bn, BU=bu, USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, num_warps=warps)
+        return out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _gemv_lut_kernel[grid](x_t, pk, norms, codebook, out, idx, m, n, x_t.stride(0), out.stride(0),
                            NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm,
