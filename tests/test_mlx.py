@@ -261,7 +261,7 @@ def test_save_reload_is_bit_exact(fixtures, kind, recipe, tmp_path):
     with open(tmp_path / "tq_config.json") as f:
         assert json.load(f)["format"] == rotation.HADAMARD_FORMAT
     card = (tmp_path / "README.md").read_text()
-    assert "- tq_hadamard" in card and "tq3_native" not in card  # not advertised as vLLM-servable
+    assert "- tq_hadamard" in card and "loaded from a turboquant-mlx" in card and "seed 42" not in card
     saved = load_file(tmp_path / "model.safetensors")
     assert not [k for k in saved if saved[k].dtype == torch.uint32]
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -302,7 +302,8 @@ def test_config_without_mlx_block_loads_the_same(fixtures, tmp_path):
     a, b = model.state_dict(), again.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # and passing a config to a checkpoint that declares its own works as for tq3_native checkpoints
-    passed = AutoModelForCausalLM.from_pretrained(d, quantization_config=TurboQuantConfig(), dtype=torch.float32)
+    with pytest.warns(UserWarning, match="quantization_config` from the model will be used"):
+        passed = AutoModelForCausalLM.from_pretrained(d, quantization_config=TurboQuantConfig(), dtype=torch.float32)
     assert all(torch.equal(a[k], v) for k, v in passed.state_dict().items())
 
 
