@@ -159,9 +159,11 @@ class Fixtures:
                 tmp = tempfile.mkdtemp(prefix=".tmp-", dir=CACHE)
                 try:
                     run_mlx([*args, "--hf-path", src, "--mlx-path", os.path.join(tmp, "out")])
-                    if os.path.isdir(out):
-                        shutil.rmtree(out)
-                    os.replace(os.path.join(tmp, "out"), out)
+                    try:
+                        os.replace(os.path.join(tmp, "out"), out)
+                    except OSError:  # another run finished the same conversion first (it is deterministic)
+                        if not os.path.isfile(os.path.join(out, "config.json")):
+                            raise
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
             self._converted[key] = out
