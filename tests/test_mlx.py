@@ -467,3 +467,16 @@ def test_cuda_implementation_under_the_triton_interpreter():
                             timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "worst" in result.stdout
+
+
+def test_qwen3_5_multimodal_class_loads_the_text_model(fixtures):
+    """Qwen3_5MoeForConditionalGeneration reads the same MLX files (whose vision tower the converter dropped:
+    transformers reports it missing) and computes the same text logits."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+    d, text_model = loaded(fixtures, "qwen3_5_moe", "tqTe-down4")
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(d, dtype=torch.float32)
+    assert isinstance(model.model.language_model.layers[0].mlp.experts, TurboQuantExperts)
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, text_model(ids).logits)
