@@ -368,12 +368,23 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
 # ---------------------------------------------------------------------------
 
 @triton.jit
-def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_xm, stride_om,
+def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, NG, stride_xm, stride_om,
                      NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, WPU: tl.constexpr,
                      UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr, GPI: tl.constexpr,
-                     LUT_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_G: tl.constexpr):
+                     LUT_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_G: tl.constexpr,
+                     EXPERTS: tl.constexpr, X_DIV: tl.constexpr):
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
+    if EXPERTS > 0:
+        # routed pairs (see `_gemv_lut_kernel`): matrix idx[m] of EXPERTS stacked ones, activation row m // X_DIV
+        e = tl.load(idx_ptr + m).to(tl.int32)
+        live = (e >= 0) & (e < EXPERTS)
+        e = tl.where(live, e, 0).to(tl.int64)
+        pk_ptr += e * N * NG * UPG * (1 if WPU == 0 else WPU)
+        nrm_ptr += e * N * NG
+        xrow = xr_ptr + (m // X_DIV) * stride_xm
+    else:
+        xrow = xr_ptr + m * stride_xm
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codebook16(cb_ptr, NLEV)
     rn = pid_n * BN + tl.arange(0, BN)
     if EVEN_N:
@@ -386,7 +397,6 @@ def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_xm,
     u3 = ru[None, None, :]
     u2 = ru[None, :]
     acc = tl.zeros([BN], dtype=tl.float32)
-    xrow = xr_ptr + m * stride_xm
     g0 = 0
     while g0 < NG:  # (a while loop: Triton 3.6's interpreter cannot range() over a runtime bound)
         gg = g0 + rg
@@ -436,6 +446,8 @@ def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_xm,
             nr = tl.load(nrm_ptr + rn[:, None] * NG + gg[None, :], mask=nmask[:, None] & gmask[None, :], other=0.0)
         acc += tl.sum(tl.sum(part, axis=2) * nr, axis=1)
         g0 += GPI
+    if EXPERTS > 0:
+        acc = tl.where(live, acc, 0.0)
     tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -471,10 +483,17 @@ def _with_mask(cfg: tuple, n_levels: int) -> tuple:
 
 
 def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
-             group_size: int, out_dtype: torch.dtype, config=None) -> torch.Tensor:
-    """`(M, n_groups*G)` float32 rotated activations times the packed weight -> `(M, rows)` in out_dtype."""
-    m = x_rot.shape[0]
-    n, ng = norms.shape
+             group_size: int, out_dtype: torch.dtype, config=None, experts: int = 0,
+             expert_index: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
+    """`(M, n_groups*G)` float32 rotated activations times the packed weight -> `(M, rows)` in out_dtype.
+
+    `experts`, `expert_index`, `x_div`: routed pairs over stacked matrices, as in `gemv_lut`."""
+    if experts:
+        m = expert_index.numel()
+        n, ng = norms.shape[0] // experts, norms.shape[1]
+    else:
+        m = x_rot.shape[0]
+        n, ng = norms.shape
     n_levels = codebook.numel()
     geo = unit_geometry(n_levels, group_size)
     bn, gpi, warps, lut = _with_mask(config or _fma_config(n, ng, n_levels, group_size), n_levels)
@@ -483,10 +502,11 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
         return out
     pk = _packed_view(packed, geo["WPU"])
     grid = (triton.cdiv(n, bn), m)
-    _gemv_fma_kernel[grid](x_rot, pk, norms, codebook, out, n, ng, x_rot.stride(0), out.stride(0),
+    idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
+    _gemv_fma_kernel[grid](x_rot, pk, norms, codebook, out, idx, n, ng, x_rot.stride(0), out.stride(0),
                            NLEV=n_levels, G=group_size, PER=geo["PER"], WPU=geo["WPU"], UPG=geo["UPG"],
                            UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
-                           num_warps=warps)
+                           EXPERTS=experts, X_DIV=x_div, num_warps=warps)
     return out
 
 
@@ -795,9 +815,11 @@ def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stri
 LUT_MAX_M = 4
 
 
-def lut_unit(n_levels: int) -> int:
-    """Indices per unit of the LUT GEMV (0: that codebook size does not use it)."""
-    return {8: 32, 4: 16}.get(n_levels, 0)
+def lut_unit(n_levels: int, group_size: int | None = None) -> int:
+    """Indices per unit of the LUT GEMV (0: that codebook size, or a group smaller than a unit, does not
+    use it)."""
+    unit = {8: 32, 4: 16}.get(n_levels, 0)
+    return 0 if group_size is not None and unit and group_size % unit else unit
 
 
 def _lut_config(n: int, nut: int, m: int = 1) -> tuple[int, int, int]:
@@ -1011,12 +1033,12 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
     and `codebook` the values they multiply, both tensors, so per-module codebooks work unchanged."""
     m = x_rot.shape[0]
     sixteen = out_dtype in (torch.bfloat16, torch.float16)
-    unit = lut_unit(codebook.numel())
+    unit = lut_unit(codebook.numel(), group_size)
     if m <= LUT_MAX_M and sixteen and unit:
         nut = x_rot.shape[1] // unit
         x_t = x_rot.to(torch.float32).reshape(m, nut, unit).transpose(1, 2).reshape(m, unit * nut)
         return gemv_lut(x_t, packed, norms, codebook, group_size, out_dtype)
-    norms = _f32(norms)
+    norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
     if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
         return gemv_fma(_f32(x_rot), packed, norms, codebook, group_size, out_dtype)
@@ -1041,11 +1063,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
         return x.new_empty(*lead, n)
     dt = x.dtype
     sixteen = dt in (torch.bfloat16, torch.float16)
-    unit = lut_unit(codebook.numel())
+    unit = lut_unit(codebook.numel(), group_size)
     if m <= LUT_MAX_M and sixteen and unit:
         x_t = rotate(x2, s1, s2, group_size, torch.float32, unit=unit)
         return gemv_lut(x_t, packed, norms, codebook, group_size, dt).reshape(*lead, n)
-    norms = _f32(norms)
+    norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
     if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
         x_rot = rotate(x2, s1, s2, group_size, torch.float32)

@@ -1,16 +1,17 @@
 """CUDA implementation of `torch.ops.turboquant.moe_experts` (routed experts, packed weights).
 
-Decode (at most `PAIR_MAX_ROWS` routed (token, slot) pairs, 2- or 3-bit experts, 16-bit activations):
-five launches and no host synchronisation, so the layer can be captured in a CUDA graph:
+Decode (at most `PAIR_MAX_ROWS` routed (token, slot) pairs; any bit width): five launches and no host
+synchronisation, so the layer can be captured in a CUDA graph:
 
 1. `rotate` the tokens once (every expert of a token reads the same rotated row);
-2. the LUT GEMV over pairs: row p of the result is expert `top_k_index[p]`'s gate/up matrix times token
-   `p // top_k` (only routed experts are read; an index outside [0, E) gives zeros);
+2. a GEMV over pairs (the LUT GEMV for 2/3-bit experts and 16-bit activations, else the select/codebook-load
+   GEMV): row p of the result is expert `top_k_index[p]`'s gate/up matrix times token `p // top_k` (only
+   routed experts are read; an index outside [0, E) gives zeros);
 3. `act(gate) * up` in float32;
 4. `rotate` each pair's intermediate row;
-5. the LUT GEMV over pairs with the down matrices, then the top-k weighted sum per token.
+5. the GEMV over pairs with the down matrices, then the top-k weighted sum per token.
 
-Otherwise (prefill, other bit widths): tokens are grouped by expert (one host synchronisation for the
+Otherwise (prefill): tokens are grouped by expert (one host synchronisation for the
 counts, as transformers' own expert loop does) and each routed expert runs `linear.product` on its
 tokens (the LUT/tensor-core GEMV or dequantize + cuBLAS, by token count).
 """
@@ -40,24 +41,33 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
     inter = gate_up_norms.shape[0] // e // 2
     act = _activation(activation)
     s1, s2 = L._f32(signs1), L._f32(signs2)
-    unit_gu = L.lut_unit(gate_up_codebook.numel())
-    unit_d = L.lut_unit(down_codebook.numel())
+    unit_gu = L.lut_unit(gate_up_codebook.numel(), group_size)
+    unit_d = L.lut_unit(down_codebook.numel(), group_size)
     if t == 0:
         return torch.zeros_like(hidden)
     sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
-    if t * k <= PAIR_MAX_ROWS and unit_gu and unit_d and sixteen:
+    if t * k <= PAIR_MAX_ROWS:
         idx = top_k_index.reshape(-1)
-        x_t = L.rotate(hidden, s1, s2, group_size, torch.float32, unit=unit_gu)
-        gu = L.gemv_lut(x_t, gate_up_packed, gate_up_norms, gate_up_codebook, group_size, torch.float32,
-                        experts=e, expert_index=idx, x_div=k)
+        gu = _pairs(hidden, idx, k, gate_up_packed, gate_up_norms, gate_up_codebook, s1, s2, group_size, e,
+                    unit_gu if sixteen else 0)
         mid = act(gu[:, :inter]) * gu[:, inter:]
-        mid_t = L.rotate(mid, s1, s2, group_size, torch.float32, unit=unit_d)
-        y = L.gemv_lut(mid_t, down_packed, down_norms, down_codebook, group_size, torch.float32,
-                       experts=e, expert_index=idx, x_div=1)
+        y = _pairs(mid, idx, 1, down_packed, down_norms, down_codebook, s1, s2, group_size, e,
+                   unit_d if sixteen else 0)
         out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
         return out.to(hidden.dtype)
     return _grouped(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
                     down_packed, down_norms, down_codebook, s1, s2, group_size, e, act, inter)
+
+
+def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
+    """Routed pairs: row p = expert idx[p]'s matrix times row p // x_div of x (float32 result). The LUT GEMV
+    where the codebook allows it (`unit` > 0), else the select/codebook-load GEMV (4-bit, ternary, float32)."""
+    if unit:
+        x_t = L.rotate(x, s1, s2, g, torch.float32, unit=unit)
+        return L.gemv_lut(x_t, packed, norms, codebook, g, torch.float32, experts=e, expert_index=idx, x_div=x_div)
+    x_rot = L.rotate(x, s1, s2, g, torch.float32)
+    return L.gemv_fma(x_rot, packed, norms.contiguous(), L._f32(codebook), g, torch.float32, experts=e,
+                      expert_index=idx, x_div=x_div)
 
 
 def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2,

@@ -232,14 +232,17 @@ def M(L):
     return mod
 
 
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits", [3, 4, fmt.TERNARY])
 def test_moe_experts_kernel_paths(L, M, bits):
     """The CUDA implementation of the MoE op (run under the interpreter) against the torch reference:
-    the pair path (few tokens, 2/3-bit, bf16) and the grouped path (many tokens, or 4-bit)."""
+    the pair path (few tokens: the LUT GEMV for 3-bit, the select GEMV for 4-bit and ternary with float16
+    norms) and the grouped path (many tokens)."""
     e, h, inter, g = 6, 128, 64, 64
-    gen = torch.Generator().manual_seed(bits)
+    gen = torch.Generator().manual_seed(int(bits * 100))
     gu_p, gu_n = codec.quantize_weight(torch.randn(e, 2 * inter, h, generator=gen), bits, g)
     d_p, d_n = codec.quantize_weight(torch.randn(e, h, inter, generator=gen), bits, g)
+    if bits == fmt.TERNARY:
+        gu_n, d_n = gu_n.half(), d_n.half()  # as TurboQuantWeight stores the ternary tier
     nl = fmt.levels_for_bits(bits)
     cb = fmt.codebook(nl, g)
     s1, s2 = fmt.signs(g)
@@ -346,6 +349,45 @@ def _cuda_check(bits) -> int:
                     failures += not ok
                     if not ok or m in (1, 16):
                         print(f"{'ok  ' if ok else 'FAIL'} bits={bits} G={g} {n}x{k} M={m} {str(dt)[6:]} rel_err={err:.2e}")
+    # the MoE op on CUDA (pair path at decode, grouped path for many tokens) against the CPU reference,
+    # and the decode path inside a CUDA graph
+    e, h, inter, g = 16, 512, 256, 128
+    gu_p, gu_n = codec.quantize_weight(torch.randn(e, 2 * inter, h), bits, g)
+    d_p, d_n = codec.quantize_weight(torch.randn(e, h, inter), bits, g)
+    if bits == fmt.TERNARY:
+        gu_n, d_n = gu_n.half(), d_n.half()  # as TurboQuantWeight stores the ternary tier
+    cb = fmt.codebook(fmt.levels_for_bits(bits), g)
+    s1, s2 = fmt.signs(g)
+    dev_w = [t.to(dev) for t in (gu_p, gu_n, cb, d_p, d_n, cb, s1, s2)]
+    for t in (1, 3, 40):
+        hidden = torch.randn(t, h).to(torch.bfloat16)
+        idx = torch.randint(0, e, (t, 4))
+        wts = torch.rand(t, 4)
+        ref = ops.turboquant_moe_experts(hidden.float(), idx, wts, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e, "silu")
+        y = torch.ops.turboquant.moe_experts(hidden.to(dev), idx.to(dev), wts.to(dev), *dev_w, g, e, "silu")
+        err = _rel(y, ref)
+        ok = err < 1.5e-2 and y.dtype == torch.bfloat16
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} moe_experts bits={bits} T={t} rel_err={err:.2e}")
+    static_h = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
+    static_i = torch.randint(0, e, (1, 4), device=dev)
+    static_w = torch.rand(1, 4, device=dev)
+    torch.ops.turboquant.moe_experts(static_h, static_i, static_w, *dev_w, g, e, "silu")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = torch.ops.turboquant.moe_experts(static_h, static_i, static_w, *dev_w, g, e, "silu")
+    hn, inn, wn = torch.randn(1, h).to(torch.bfloat16), torch.randint(0, e, (1, 4)), torch.rand(1, 4)
+    static_h.copy_(hn.to(dev))
+    static_i.copy_(inn.to(dev))
+    static_w.copy_(wn.to(dev))
+    graph.replay()
+    torch.cuda.synchronize()
+    err = _rel(static_y, ops.turboquant_moe_experts(hn.float(), inn, wn, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e,
+                                                    "silu"))
+    ok = err < 1.5e-2
+    failures += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} moe_experts CUDA graph rel_err={err:.2e}")
     if bits != 3:
         print(f"cuda check bits={bits}: {failures} failure(s)")
         return failures
@@ -368,43 +410,6 @@ def _cuda_check(bits) -> int:
             ok = err < 1e-2
             failures += not ok
             print(f"{'ok  ' if ok else 'FAIL'} CUDA graph M={m} rel_err={err:.2e}")
-    # the MoE op on CUDA (pair path at decode, grouped path for many tokens) against the CPU reference,
-    # and the decode path inside a CUDA graph
-    e, h, inter, g = 16, 512, 256, 128
-    gu_p, gu_n = codec.quantize_weight(torch.randn(e, 2 * inter, h), 3, g)
-    d_p, d_n = codec.quantize_weight(torch.randn(e, h, inter), 3, g)
-    cb = fmt.codebook(8, g)
-    s1, s2 = fmt.signs(g)
-    dev_w = [t.to(dev) for t in (gu_p, gu_n, cb, d_p, d_n, cb, s1, s2)]
-    for t in (1, 3, 40):
-        hidden = torch.randn(t, h).to(torch.bfloat16)
-        idx = torch.randint(0, e, (t, 4))
-        wts = torch.rand(t, 4)
-        ref = ops.turboquant_moe_experts(hidden.float(), idx, wts, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e, "silu")
-        y = torch.ops.turboquant.moe_experts(hidden.to(dev), idx.to(dev), wts.to(dev), *dev_w, g, e, "silu")
-        err = _rel(y, ref)
-        ok = err < 1.5e-2 and y.dtype == torch.bfloat16
-        failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} moe_experts T={t} rel_err={err:.2e}")
-    static_h = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
-    static_i = torch.randint(0, e, (1, 4), device=dev)
-    static_w = torch.rand(1, 4, device=dev)
-    torch.ops.turboquant.moe_experts(static_h, static_i, static_w, *dev_w, g, e, "silu")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = torch.ops.turboquant.moe_experts(static_h, static_i, static_w, *dev_w, g, e, "silu")
-    hn, inn, wn = torch.randn(1, h).to(torch.bfloat16), torch.randint(0, e, (1, 4)), torch.rand(1, 4)
-    static_h.copy_(hn.to(dev))
-    static_i.copy_(inn.to(dev))
-    static_w.copy_(wn.to(dev))
-    graph.replay()
-    torch.cuda.synchronize()
-    err = _rel(static_y, ops.turboquant_moe_experts(hn.float(), inn, wn, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e,
-                                                    "silu"))
-    ok = err < 1.5e-2
-    failures += not ok
-    print(f"{'ok  ' if ok else 'FAIL'} moe_experts CUDA graph rel_err={err:.2e}")
     # the module on CUDA, 3-D input, bias
     from turboquant_hf.modules import TurboQuantLinear, quantize_linear_
 
