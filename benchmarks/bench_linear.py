@@ -1,7 +1,9 @@
-"""Time `torch.ops.turboquant.linear` (Triton kernels) against bf16 cuBLAS (`F.linear`) on one CUDA GPU.
+"""Time `torch.ops.turboquant.linear` (Triton kernels) against bf16 cuBLAS (`F.linear`) on one CUDA GPU,
+and against the Triton kernels of turboquant-plus-vllm (package `turboquant_vllm`) where it is installed.
 
     python benchmarks/bench_linear.py                  # the results table (RESULTS.md)
     python benchmarks/bench_linear.py --md out.md      # ... also written as markdown
+    python benchmarks/bench_linear.py --no-peer        # without the turboquant-plus-vllm columns
     python benchmarks/bench_linear.py --sweep          # kernel configurations per shape (for tuning)
 
 Method (see docs/performance.md): both sides run in the same process on the
@@ -14,17 +16,30 @@ output is checked against the plain-torch reference (`ops.rotate_activations`
 + `ops.codebook_matmul`, float32) before timing, and the graph's outputs again
 after timing. Bandwidth counts the packed bytes plus the float32 norms (ours)
 and the bf16 weight (cuBLAS), read once per call.
+
+The peer (turboquant-plus-vllm 0.13.12) reads the same tq3_native tensors
+byte for byte, so it is fed exactly the packed indices, norms, codebook and
+signs that ours gets (the same buffer copies), and is timed and checked the
+same way. Only its Triton module is imported (`turboquant_vllm.triton_ops`,
+without running the package's `__init__`, which pulls in its vLLM patches);
+the kernel is the one its vLLM linear method dispatches to when its CUDA
+extension is not built (see `peer_kernel`). A peer that is missing, fails or
+gives a wrong result leaves "n/a" in its columns with the reason; the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import platform
 import statistics
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +56,8 @@ SHAPES = [
     ("14336x4096 (down)", 14336, 4096),
     ("8192x28672", 8192, 28672),
     ("2048->1024 (expert)", 2048, 1024),
+    ("2048x8192", 2048, 8192),
+    ("512->2048 (expert down)", 512, 2048),
 ]
 L2_BYTES = 60 << 20
 DEV = "cuda"
@@ -125,7 +142,143 @@ class Case:
         return ops.codebook_matmul(x_rot, self.packed, self.norms, self.cb, self.g)
 
 
-def bench_case(case: Case, m: int, tol: float = 1e-2) -> dict:
+# ---------------------------------------------------------------------------
+# the peer: turboquant-plus-vllm's Triton kernels on the same packed tensors
+# ---------------------------------------------------------------------------
+
+PEER_DIST, PEER_PKG = "turboquant-plus-vllm", "turboquant_vllm"
+_peer_state: dict = {}
+
+
+class PeerUnavailable(Exception):
+    """The peer cannot run this row (not installed, no such bit width, ...): its columns read n/a."""
+
+
+def load_peer():
+    """The peer's `triton_ops` module, imported without the package `__init__` (vLLM patches) and without vLLM.
+
+    A stand-in package module with the real `__path__` lets `turboquant_vllm.triton_ops` (torch + triton) and the
+    `turboquant_vllm.torch_ops` it reaches for its rotation matrix load alone. Raises PeerUnavailable.
+    """
+    if "module" in _peer_state:
+        return _peer_state["module"]
+    if "error" in _peer_state:
+        raise PeerUnavailable(_peer_state["error"])
+    try:
+        if PEER_PKG not in sys.modules:
+            spec = importlib.util.find_spec(PEER_PKG)
+            if spec is None or not spec.submodule_search_locations:
+                raise ImportError(f"{PEER_DIST} is not installed")
+            stub = types.ModuleType(PEER_PKG)
+            stub.__path__ = list(spec.submodule_search_locations)
+            stub.__package__ = PEER_PKG
+            sys.modules[PEER_PKG] = stub
+        t_ops = importlib.import_module(PEER_PKG + ".triton_ops")
+        if not getattr(t_ops, "HAS_TRITON", False):
+            raise ImportError(f"{PEER_PKG}.triton_ops found no triton")
+        importlib.import_module(PEER_PKG + ".torch_ops")
+    except Exception as exc:  # a missing or broken peer must not stop the benchmark
+        _peer_state["error"] = f"{PEER_DIST} unavailable: {exc!r}"[:300]
+        raise PeerUnavailable(_peer_state["error"]) from None
+    _peer_state["module"] = t_ops
+    return t_ops
+
+
+def peer_version() -> str:
+    try:
+        load_peer()
+    except PeerUnavailable as exc:
+        return str(exc)
+    try:
+        return f"{PEER_DIST} {importlib.metadata.version(PEER_DIST)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{PEER_DIST} (version unknown)"
+
+
+def peer_kernel(bits, n: int, g: int):
+    """(name, launcher) of the peer's Triton path for an (N rows, bits, G) layer with bf16 activations, no bias.
+
+    Its vLLM linear method routes 3-bit bf16 layers through `tq3_apply`, which (with no CUDA extension built)
+    calls the FWHT-on-input GEMM for every M; other widths follow its `_select_triton_gemm_fns`: FWHT-on-input
+    for G > 128 or N >= 4096, else the fused dequant-GEMM. The raw launchers are called (its custom-op wrappers
+    around them are CUDA-only and add only host-side dispatch).
+    """
+    t_ops = load_peer()
+    if bits not in (2, 3, 4):
+        raise PeerUnavailable(f"the peer has no {bits}-bit tier")
+    fwht = getattr(t_ops, "_tq_fwht_input_gemm_impl", None) or t_ops.tq_fwht_input_gemm
+    dequant = getattr(t_ops, "_tq_fused_gemm_impl", None) or t_ops.tq_fused_gemm
+    if bits == 3 or g > 128 or n >= 4096:
+        return "tq_fwht_input_gemm", fwht
+    return "tq_fused_gemm", dequant
+
+
+def peer_linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
+                signs1: torch.Tensor, signs2: torch.Tensor, group_size: int, bits, kernel=None) -> torch.Tensor:
+    """`x @ W.T` by the peer's Triton kernel from our tensors: packed uint8 (rows*n_groups, bytes per group),
+    norms float32 (rows, n_groups), the float32 codebook and +-1 float32 signs (seed 42) -- the layout its
+    kernels read (`packed_row = n * n_groups + g`), so nothing is converted. `x` is (M, K) with K = n_groups*G.
+    """
+    if kernel is None:
+        kernel = peer_kernel(bits, norms.shape[0], group_size)[1]
+    return kernel(x, packed, norms, signs1, signs2, codebook, group_size=group_size, bits=int(bits), bias=None)
+
+
+def _peer_retune(t_ops) -> None:
+    """Forget the peer's autotuned configs: its FWHT GEMM autotunes on (N, K) only and would keep the
+    first M's tiles; clearing before each row gives it the best tiles for every M."""
+    kern = getattr(t_ops, "_polar_fused_gemm_kernel", None)
+    cache = getattr(kern, "cache", None)
+    if isinstance(cache, dict):
+        cache.clear()
+
+
+def bench_peer(case: "Case", m: int, x: torch.Tensor, ref: torch.Tensor, qbufs, graph: bool, t_ours: float,
+               tol: float = 1e-2) -> dict:
+    """Peer columns for one row; never raises (a failure is recorded in `peer_note`)."""
+    row = dict(us_peer=None, ours_vs_peer=None, gbps_peer=None, err_peer=None, peer_kernel=None, peer_note=None)
+    outs = {}
+    try:
+        name, kernel = peer_kernel(case.bits, case.n, case.g)
+        row["peer_kernel"] = name
+        _peer_retune(load_peer())
+
+        def call(p, nr):
+            return peer_linear(x, p, nr, case.cb, case.s1, case.s2, case.g, case.bits, kernel)
+
+        y = call(*qbufs[0])  # first call autotunes, outside any graph
+        torch.cuda.synchronize()
+        err = rel_err(y, ref) if tuple(y.shape) == tuple(ref.shape) else float("nan")
+        row["err_peer"] = err
+        if not err < tol:
+            raise PeerUnavailable(f"wrong result before timing (rel_err={err:.3g}, shape {tuple(y.shape)})")
+
+        def peer(i, p, nr):
+            def f():
+                outs[i] = call(p, nr)
+            return f
+
+        t_peer, g_peer = time_calls([peer(i, p, nr) for i, (p, nr) in enumerate(qbufs)], graph)
+        err_after = max(rel_err(outs[i], ref) for i in range(len(qbufs)))
+        del g_peer
+        if not err_after < tol:
+            raise PeerUnavailable(f"wrong result after timing (rel_err={err_after:.3g})")
+        row.update(us_peer=t_peer, ours_vs_peer=t_peer / t_ours, gbps_peer=case.qbytes / t_peer / 1e3)
+    except PeerUnavailable as exc:
+        row["peer_note"] = str(exc)
+    except Exception as exc:  # the peer's failure is a result, not a reason to stop
+        row["peer_note"] = f"failed: {exc!r}"[:300]
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+    if row["peer_note"] and row["peer_note"] != _peer_state.get("error"):
+        print(f"peer n/a: K={case.k} N={case.n} bits={case.bits} M={m}: {row['peer_note']}", flush=True)
+    outs.clear()
+    return row
+
+
+def bench_case(case: Case, m: int, tol: float = 1e-2, peer: bool = True) -> dict:
     x = torch.randn(m, case.k, device=DEV, dtype=torch.bfloat16)
     ref = case.reference(x)
     qbufs, bbufs = case.buffers(m)
@@ -156,11 +309,18 @@ def bench_case(case: Case, m: int, tol: float = 1e-2) -> dict:
     t_bf16, g_b = time_calls([base(i, w) for i, w in enumerate(bbufs)], graph)
     del g_b
     e_b = rel_err(bout[0], ref)
-    del qbufs, bbufs, outs, bout
+    del bbufs, outs, bout
+    torch.cuda.empty_cache()
+    if peer:  # the same buffer copies (same bytes) ours was timed on
+        prow = bench_peer(case, m, x, ref, qbufs, graph, t_ours, tol)
+    else:
+        prow = dict(us_peer=None, ours_vs_peer=None, gbps_peer=None, err_peer=None, peer_kernel=None,
+                    peer_note="skipped (--no-peer)")
+    del qbufs
     torch.cuda.empty_cache()
     return dict(K=case.k, N=case.n, bits=str(case.bits), G=case.g, M=m, us_bf16=t_bf16, us_ours=t_ours,
                 ratio=t_bf16 / t_ours, gbps_ours=case.qbytes / t_ours / 1e3, gbps_bf16=case.bbytes / t_bf16 / 1e3,
-                err_ours=err, err_bf16_vs_quantized=e_b)
+                err_ours=err, err_bf16_vs_quantized=e_b, **prow)
 
 
 # ---------------------------------------------------------------------------
@@ -262,14 +422,19 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
     return rows
 
 
-def environment() -> dict:
+def environment(peer: bool = True) -> dict:
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                peer=peer_version() if peer else "not run")
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
 def markdown(rows: list[dict], env: dict, command: str) -> str:
-    out = ["# torch.ops.turboquant.linear vs bf16 cuBLAS", "",
+    out = ["# torch.ops.turboquant.linear vs bf16 cuBLAS and turboquant-plus-vllm", "",
            f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
            f"Python {env['python']}",
            f"- date: {env['date']}",
@@ -279,14 +444,31 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
            "ours is 2 kernels: rotate + GEMV), M = 2048 eager with CUDA events; median of 30; every output checked "
            "against the float32 torch reference before and after timing (rel. error column).",
            "- ratio = bf16 time / ours (> 1: ours faster). GB/s counts packed bytes + float32 norms (ours) and the "
-           "bf16 weight (cuBLAS); the measured copy ceiling on this card is about 4300 GB/s.", "",
-           "| shape (in x out) | bits | M | bf16 us | ours us | ratio | ours GB/s | bf16 GB/s | rel. error |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+           "bf16 weight (cuBLAS); the measured copy ceiling on this card is about 4300 GB/s.",
+           f"- peer: {env.get('peer', 'n/a')}, its Triton kernels only (no vLLM), fed the same packed/norms "
+           "buffers, codebook and seed-42 signs as ours, timed and checked the same way; the kernel is the one its "
+           "vLLM linear method picks for a bf16 layer without its CUDA extension (3-bit: `tq_fwht_input_gemm` = "
+           "a float32 cast, a float32 rotation matmul (cuBLAS) and one Triton GEMM, autotuned afresh for every "
+           "row). ours vs peer = peer time / ours (> 1: ours faster); n/a: the peer did not run (reasons below).",
+           "",
+           "| shape (in x out) | bits | M | bf16 us | ours us | peer us | ratio | ours vs peer | ours GB/s | "
+           "bf16 GB/s | rel. error | peer rel. error |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     label = {(k, n): lab for lab, k, n in SHAPES}
+    notes = []
     for r in rows:
         bits = "ternary" if r["bits"] == "1.58" else r["bits"]
         out.append(f"| {label[(r['K'], r['N'])]} | {bits} | {r['M']} | {r['us_bf16']:.1f} | {r['us_ours']:.1f} | "
-                   f"{r['ratio']:.2f} | {r['gbps_ours']:.0f} | {r['gbps_bf16']:.0f} | {r['err_ours']:.1e} |")
+                   f"{_fmt(r.get('us_peer'), '.1f')} | {r['ratio']:.2f} | {_fmt(r.get('ours_vs_peer'), '.2f')} | "
+                   f"{r['gbps_ours']:.0f} | {r['gbps_bf16']:.0f} | {r['err_ours']:.1e} | "
+                   f"{_fmt(r.get('err_peer'), '.1e')} |")
+        if r.get("peer_note"):
+            notes.append((r["peer_note"], f"{label[(r['K'], r['N'])]} {bits}-bit M={r['M']}"))
+    if notes:
+        by_reason = {}
+        for reason, where in notes:
+            by_reason.setdefault(reason, []).append(where)
+        out += ["", "Peer n/a:", ""] + [f"- {reason}: {'; '.join(w)}" for reason, w in by_reason.items()]
     return "\n".join(out) + "\n"
 
 
@@ -298,9 +480,11 @@ def main() -> int:
     ap.add_argument("--json", help="write raw rows as JSON here")
     ap.add_argument("--shapes", help="comma-separated shape indices (default: all)")
     ap.add_argument("--ms", default="1,16,2048")
+    ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    env = environment()
+    run_peer = not (args.no_peer or args.sweep or args.sweep_lut)
+    env = environment(run_peer)
     print(json.dumps(env), flush=True)
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
@@ -331,7 +515,7 @@ def main() -> int:
         for label, k, n in shapes:
             case = Case(k, n, 3)
             for m in ms:
-                r = bench_case(case, m)
+                r = bench_case(case, m, peer=run_peer)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             del case
@@ -339,7 +523,7 @@ def main() -> int:
         label, k, n = next((s for s in shapes if s[1] == 8192), shapes[0])
         for bits in (fmt.TERNARY, 2, 4):
             case = Case(k, n, bits)
-            r = bench_case(case, 1)
+            r = bench_case(case, 1, peer=run_peer)
             rows.append(r)
             print(json.dumps(r), flush=True)
             del case
