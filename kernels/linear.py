@@ -688,28 +688,16 @@ def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, st
     xrows = xt_ptr + rm[:, None] * stride_xm  # [BM, 1]
     for u0 in tl.range(0, NUT, BU):
         uu = u0 + ru
-        ptrs = pk_ptr + (rl[:, None] * NUT + uu[None, :]) * WPU
+        unit_off = rl[:, None] * NUT + uu[None, :]
         if EVEN_U:
-            w0 = tl.load(ptrs, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            if WPU == 3:
-                w1 = tl.load(ptrs + 1, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-                w2 = tl.load(ptrs + 2, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            else:
-                w1 = w0
-                w2 = w0
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
             xm = mmask[:, None]
         else:
-            um = (uu < NUT)[None, :]
-            w0 = tl.load(ptrs, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            if WPU == 3:
-                w1 = tl.load(ptrs + 1, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-                w2 = tl.load(ptrs + 2, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            else:
-                w1 = w0
-                w2 = w0
+            um = (rl >= 0)[:, None] & (uu < NUT)[None, :]
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
-            xm = mmask[:, None] & um
+            xm = mmask[:, None] & (uu < NUT)[None, :]
         part = tl.zeros([BM, BN, BU], dtype=tl.float32)
         for ch in tl.static_range(PER // 8):
             d = _nibbles(_chunk(w0, w1, w2, ch, NLEV), NLEV)
@@ -760,25 +748,13 @@ def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stri
     acc = tl.zeros([BN, BU], dtype=tl.float32)
     for u0 in tl.range(0, NUT, BU):
         uu = u0 + ru
-        ptrs = pk_ptr + (rl[:, None] * NUT + uu[None, :]) * WPU
+        unit_off = rl[:, None] * NUT + uu[None, :]
         if EVEN_U:
-            w0 = tl.load(ptrs, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            if WPU == 3:
-                w1 = tl.load(ptrs + 1, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-                w2 = tl.load(ptrs + 2, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            else:
-                w1 = w0
-                w2 = w0
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
         else:
-            um = (uu < NUT)[None, :]
-            w0 = tl.load(ptrs, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            if WPU == 3:
-                w1 = tl.load(ptrs + 1, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-                w2 = tl.load(ptrs + 2, mask=um, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            else:
-                w1 = w0
-                w2 = w0
+            um = (rl >= 0)[:, None] & (uu < NUT)[None, :]
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
             xm = uu < NUT
         part = tl.zeros([BN, BU], dtype=tl.float32)
