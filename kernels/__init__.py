@@ -60,6 +60,16 @@ def _cuda_moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_u
                            activation)
 
 
+def _cuda_hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook,
+                               gate_signs, up_packed, up_norms, up_codebook, up_signs, down_packed, down_norms,
+                               down_codebook, down_signs, num_experts, activation):
+    from . import moe
+
+    return moe.hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook,
+                                    gate_signs, up_packed, up_norms, up_codebook, up_signs, down_packed,
+                                    down_norms, down_codebook, down_signs, num_experts, activation)
+
+
 def registered() -> bool:
     """True when the Triton kernels serve `torch.ops.turboquant.linear` for CUDA tensors."""
     return _registered
@@ -81,6 +91,7 @@ def register() -> bool:
     torch.library.register_kernel("turboquant::moe_experts", "cuda")(_cuda_moe_experts)
     if hasattr(torch.ops.turboquant, "hadamard_linear"):
         torch.library.register_kernel("turboquant::hadamard_linear", "cuda")(_cuda_hadamard_linear)
+        torch.library.register_kernel("turboquant::hadamard_moe_experts", "cuda")(_cuda_hadamard_moe_experts)
     _registered = True
     return True
 

@@ -95,3 +95,52 @@ def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_p
                       d_norms[ex * h:(ex + 1) * h], d_cb, g, dt).float()
         out.index_add_(0, tok, y * top_k_weights[tok, slot, None].float())
     return out.to(hidden.dtype)
+
+
+def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs,
+                         up_packed, up_norms, up_codebook, up_signs, down_packed, down_norms, down_codebook,
+                         down_signs, num_experts: int, activation: str) -> torch.Tensor:
+    """CUDA implementation of `turboquant::hadamard_moe_experts` (turboquant-mlx experts: gate, up and down
+    each with their own whole-row rotation signs, codebook and group size).
+
+    Decode (at most `PAIR_MAX_ROWS` routed pairs): the rotations in torch (`rotation.rotate_rows`, no host
+    synchronisation), the routed-pair GEMVs of `_pairs` (LUT or select GEMV), so the layer can be captured
+    in a CUDA graph. Otherwise, and for groups smaller than a kernel unit (3-bit groups of 16), the torch
+    reference, which groups tokens by expert."""
+    from turboquant_hf import ops, rotation
+
+    t, h = hidden.shape
+    k = top_k_index.shape[1]
+    e = num_experts
+    inter = gate_norms.shape[0] // e
+    g_h = h // gate_norms.shape[1]
+    g_i = inter // down_norms.shape[1]
+    args = (hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs, up_packed,
+            up_norms, up_codebook, up_signs, down_packed, down_norms, down_codebook, down_signs, num_experts,
+            activation)
+    whole_units = all(cb.numel() != 8 or g >= 32 for cb, g in
+                      ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i)))
+    if t == 0 or t * k > PAIR_MAX_ROWS or not whole_units:
+        return ops.turboquant_hadamard_moe_experts._init_fn(*args)
+    act = _activation(activation)
+    sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
+    idx = top_k_index.reshape(-1)
+    x = hidden.to(torch.float32)
+
+    def pairs(x_rot, x_div, packed, norms, codebook, g):
+        unit = L.lut_unit(codebook.numel(), g) if sixteen else 0
+        m = x_rot.shape[0]
+        if unit:
+            nut = x_rot.shape[1] // unit
+            x_t = x_rot.reshape(m, nut, unit).transpose(1, 2).reshape(m, unit * nut)
+            return L.gemv_lut(x_t, packed, norms, codebook, g, torch.float32, experts=e, expert_index=idx,
+                              x_div=x_div)
+        return L.gemv_fma(x_rot.contiguous(), packed, norms.contiguous(), L._f32(codebook), g, torch.float32,
+                          experts=e, expert_index=idx, x_div=x_div)
+
+    gate = pairs(rotation.rotate_rows(x, gate_signs.float()), k, gate_packed, gate_norms, gate_codebook, g_h)
+    up = pairs(rotation.rotate_rows(x, up_signs.float()), k, up_packed, up_norms, up_codebook, g_h)
+    mid = act(gate) * up
+    y = pairs(rotation.rotate_rows(mid, down_signs.float()), 1, down_packed, down_norms, down_codebook, g_i)
+    out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
+    return out.to(hidden.dtype)

@@ -259,6 +259,29 @@ def test_moe_experts_kernel_paths(L, M, bits):
         assert _rel(y, ref) < 1.5e-2, (t, _rel(y, ref))
 
 
+@pytest.mark.parametrize("tiers", [(3, 3, 3), (fmt.TERNARY, fmt.TERNARY, 4)])
+def test_hadamard_moe_experts_kernel_path(L, M, tiers):
+    """turboquant-mlx experts (whole-row rotations with per-projection signs and codebooks, float16 norms
+    and codebooks) through the CUDA implementation's routed-pair path, run under the interpreter, against
+    the torch reference op; a hidden width of 192 = 12 * 16 takes an order-12 block."""
+    e, h, inter, g = 5, 192, 128, 64
+    gen = torch.Generator().manual_seed(len(str(tiers)))
+    parts = []
+    for bits, shape in zip(tiers, ((e, inter, h), (e, inter, h), (e, h, inter))):
+        packed, norms = codec.quantize_weight(torch.randn(*shape, generator=gen), bits, g)
+        cb = fmt.codebook(fmt.levels_for_bits(bits), g) * 1.5  # a module's own codebook, not the format's
+        signs = torch.randint(0, 2, (shape[-1],), generator=gen).float() * 2 - 1
+        parts += [packed, norms.half(), cb.half(), signs.half()]
+    hidden = torch.randn(2, h, generator=gen).to(torch.bfloat16)
+    idx = torch.tensor([[1, 4, 0], [3, 5, 2]])  # 5 = E: no expert
+    wts = torch.rand(2, 3, generator=gen)
+    args = (hidden, idx, wts, *parts, e, "silu")
+    ref = ops.turboquant_hadamard_moe_experts(hidden.float(), *args[1:])
+    M.PAIR_MAX_ROWS = 8
+    y = M.hadamard_moe_experts(*args)
+    assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
+
+
 def test_unit_geometry_covers_groups(L):
     for nl in (3, 4, 8, 16):
         for g in fmt.GROUP_SIZES:
