@@ -72,7 +72,7 @@ def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
 
 def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2,
              g, e, act, inter):
-    from turboquant_hf.ops import expert_groups
+    from turboquant_hf.ops import routed_groups
 
     t, h = hidden.shape
     dt = hidden.dtype  # the products run in the activations' dtype (float32 accumulation); sums in float32
@@ -80,14 +80,8 @@ def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_p
     ng_h = gu_norms.shape[1]
     ng_i = d_norms.shape[1]
     x_rot = L.rotate(hidden, s1, s2, g, torch.float32)
-    tokens, slots, counts = expert_groups(top_k_index, e)
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
-    start = 0
-    for ex, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        tok, slot = tokens[start:start + n], slots[start:start + n]
-        start += n
+    for ex, tok, slot in routed_groups(top_k_index, e):
         gu = L.product(x_rot[tok], gu_packed[ex * gu_rows * ng_h:(ex + 1) * gu_rows * ng_h],
                        gu_norms[ex * gu_rows:(ex + 1) * gu_rows], gu_cb, g, dt).float()
         mid = act(gu[:, :inter]) * gu[:, inter:]

@@ -98,6 +98,16 @@ def expert_groups(top_k_index: torch.Tensor, num_experts: int):
     return order // k, order % k, counts
 
 
+def routed_groups(top_k_index: torch.Tensor, num_experts: int):
+    """For each expert some token was routed to: (expert, token ids, slot ids). One host synchronisation."""
+    tokens, slots, counts = expert_groups(top_k_index, num_experts)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            yield e, tokens[start : start + n], slots[start : start + n]
+            start += n
+
+
 @torch.library.custom_op("turboquant::moe_experts", mutates_args=())
 def turboquant_moe_experts(
     hidden: torch.Tensor,
@@ -128,14 +138,8 @@ def turboquant_moe_experts(
     act = ACTIVATIONS[activation]
     s1, s2 = signs1.float(), signs2.float()
     x_rot = rotate_activations(hidden, s1, s2, group_size)  # once per token, shared by all its experts
-    tokens, slots, counts = expert_groups(top_k_index, num_experts)
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        tok, slot = tokens[start : start + n], slots[start : start + n]
-        start += n
+    for e, tok, slot in routed_groups(top_k_index, num_experts):
         gu = codebook_matmul(
             x_rot[tok],
             gate_up_packed[e * gu_rows * ng_h : (e + 1) * gu_rows * ng_h],
@@ -223,14 +227,8 @@ def turboquant_hadamard_moe_experts(
     x_gate = rotation.rotate_rows(x, gate_signs.float())  # once per token, shared by all its experts
     x_up = x_gate if torch.equal(gate_signs, up_signs) else rotation.rotate_rows(x, up_signs.float())
     d_signs = down_signs.float()
-    tokens, slots, counts = expert_groups(top_k_index, num_experts)
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        tok, slot = tokens[start : start + n], slots[start : start + n]
-        start += n
+    for e, tok, slot in routed_groups(top_k_index, num_experts):
         rows_i = slice(e * inter, (e + 1) * inter)
         gate = codebook_matmul(x_gate[tok], gate_packed[e * inter * ng_h : (e + 1) * inter * ng_h],
                                gate_norms[rows_i].float(), gate_codebook.float(), g_h)
