@@ -271,6 +271,25 @@ def test_bad_input_exit_codes(tiny_llama_dir, tmp_path, capsys):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_quantize_refuses_an_already_quantized_source(tiny_llama_dir, tmp_path, capsys):
+    """A TurboQuant (or turboquant-mlx) checkpoint given to `quantize` is refused before any work: loading it
+    would keep its own bits and silently ignore the requested ones."""
+    q = tmp_path / "q"
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(q), "--bits", "4"]) == 0
+    capsys.readouterr()
+    assert cli.main(["quantize", str(q), "--out", str(tmp_path / "qq"), "--bits", "2"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "already quantized (quant_method 'turboquant')" in err and "config.json" in err
+    mlx = tmp_path / "mlx"
+    shutil.copytree(tiny_llama_dir, mlx)
+    config = json.loads((mlx / "config.json").read_text())
+    config["quantization"] = {"mode": "turboquant", "bits": 3, "group_size": 64}
+    (mlx / "config.json").write_text(json.dumps(config))
+    assert cli.main(["quantize", str(mlx), "--out", str(tmp_path / "m"), "--streaming"]) == cli.EXIT_USAGE
+    assert "turboquant-hf convert SRC --to tq3_native" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["mlx", "q"]  # nothing written for the refused runs
+
+
 def test_help_reads_well(capsys):
     assert cli.main(["--help"]) == 0
     text = capsys.readouterr().out

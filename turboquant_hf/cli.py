@@ -230,6 +230,30 @@ def _quantize_streaming(args, argv, cfg, recipe, out: str, why: str) -> int:
     return EXIT_OK
 
 
+def _refuse_quantized_source(src: str) -> None:
+    """`quantize` reads full-precision weights: a checkpoint whose config declares a quantization (TurboQuant,
+    turboquant-mlx, FP8, ...) is refused before any work, instead of being loaded with its own settings while
+    the requested bits are silently ignored."""
+    path = os.path.join(src, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # a missing or unreadable config is reported by the loader, naming the file
+    for cfg in (config, config.get("text_config") or {}):
+        if not isinstance(cfg, dict):
+            continue
+        qc = cfg.get("quantization_config") or cfg.get("quantization")
+        if not qc:
+            continue
+        method = (qc.get("quant_method") or qc.get("mode") or "unknown") if isinstance(qc, dict) else qc
+        hint = ("re-encode it with `turboquant-hf convert SRC --to tq3_native`" if method == "turboquant"
+                else "load it with from_pretrained (it needs no quantization_config)")
+        raise CliError(f"{path}: the checkpoint is already quantized (quant_method {method!r}); `quantize` reads "
+                       f"full-precision weights (bf16, fp16 or fp32). Quantize its full-precision source instead, "
+                       f"or {hint}")
+
+
 def cmd_quantize(args, argv) -> int:
     from . import card as tq_card
 
@@ -239,6 +263,8 @@ def cmd_quantize(args, argv) -> int:
         raise CliError(f"--out {args.out} already exists; choose another directory or pass --force to replace it")
     if not os.path.isdir(args.src) and not tq_card.looks_like_repo_id(args.src):
         raise CliError(f"{args.src}: neither a local directory nor a Hub repo id (namespace/name)")
+    if os.path.isdir(args.src):
+        _refuse_quantized_source(args.src)
     if args.eval and not os.path.isfile(args.eval):
         raise CliError(f"--eval {args.eval}: no such file")
     streaming, why = _use_streaming(args)
