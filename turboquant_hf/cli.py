@@ -208,26 +208,7 @@ def _quantize_streaming(args, argv, cfg, recipe, out: str, why: str) -> int:
     if args.eval:
         _evaluate(out, args.src, args.eval, args.max_tokens, args.window, write=True)
         tq_card.write_card(out, base_model=args.base_model, repo_id=args.push_to_hub, name=os.path.basename(out))
-    size = tq_card.checkpoint_summary(out)
-    result = {"out": out, "bytes": size["total_bytes"], "base_bytes": size["base_bytes"],
-              "bits_per_weight": size["bits_per_weight"], "quantization_config": cfg.to_dict(),
-              "converter": "streaming", "summary": summary.as_dict()}
-    evaluation = os.path.join(out, tq_card.EVAL_NAME)
-    if os.path.isfile(evaluation):
-        with open(evaluation) as f:
-            result["eval"] = json.load(f)
-    if args.push_to_hub:
-        result["push"] = _push(out, args.push_to_hub, args.private, None, args)
-    text = (f"wrote {out}: {tq_card.human_bytes(size['total_bytes'])} (base {tq_card.human_bytes(size['base_bytes'])}),"
-            f" {size['bits_per_weight']} bits per quantized weight")
-    if "eval" in result:
-        e = result["eval"]
-        text += (f"\nperplexity {e['base_perplexity']:.3f} -> {e['quantized_perplexity']:.3f}, mean KL "
-                 f"{e['mean_kl']:.4f} on {e['tokens']} tokens")
-    if "push" in result:
-        text += f"\npushed to {result['push']['url']}"
-    _emit(args, result, text)
-    return EXIT_OK
+    return _report_quantized(args, out, cfg, {"converter": "streaming", "summary": summary.as_dict()})
 
 
 def _refuse_quantized_source(src: str) -> None:
@@ -319,10 +300,16 @@ def cmd_quantize(args, argv) -> int:
         raise
     finally:
         bar.close()
+    return _report_quantized(args, out, cfg, {"converter": "from_pretrained"})
+
+
+def _report_quantized(args, out: str, cfg, extra: dict) -> int:
+    """Both quantize paths: sizes, the evaluation if one ran, the optional push, then the result (JSON or text)."""
+    from . import card as tq_card
+
     size = tq_card.checkpoint_summary(out)
     result = {"out": out, "bytes": size["total_bytes"], "base_bytes": size["base_bytes"],
-              "bits_per_weight": size["bits_per_weight"], "quantization_config": cfg.to_dict(),
-              "converter": "from_pretrained"}
+              "bits_per_weight": size["bits_per_weight"], "quantization_config": cfg.to_dict(), **extra}
     evaluation = os.path.join(out, tq_card.EVAL_NAME)
     if os.path.isfile(evaluation):
         with open(evaluation) as f:
