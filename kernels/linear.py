@@ -83,9 +83,27 @@ def unit_geometry(n_levels: int, group_size: int) -> dict:
 # ---------------------------------------------------------------------------
 
 @triton.jit
-def _extract(w0, w1, w2, J: tl.constexpr, NLEV: tl.constexpr):
-    """Index number J of a unit (uint32 words w0..w2, or a byte for ternary) as int32."""
-    if NLEV == 4:
+def _extract(w0, w1, w2, J: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.constexpr):
+    """Index number J of a unit (uint32 words w0..w2, or a byte for ternary) as int32; TUNED: the units
+    are in the runtime layout (`turboquant_hf.layout`)."""
+    if TUNED and NLEV == 4:
+        if J < 8:
+            v = (w0 >> (4 * J)) & 3
+        else:
+            v = (w0 >> (4 * (J - 8) + 2)) & 3
+    elif TUNED and NLEV == 8:
+        if J < 24:
+            if J // 8 == 0:
+                w = w0
+            elif J // 8 == 1:
+                w = w1
+            else:
+                w = w2
+            v = (w >> (4 * (J % 8))) & 7
+        else:
+            S: tl.constexpr = 4 * (J - 24) + 3
+            v = ((w0 >> S) & 1) | (((w1 >> S) & 1) << 1) | (((w2 >> S) & 1) << 2)
+    elif NLEV == 4:
         v = (w0 >> (2 * J)) & 3
     elif NLEV == 16:
         v = (w0 >> (4 * J)) & 15
@@ -136,6 +154,23 @@ def _bit(w0, w1, w2, B: tl.constexpr):
 
 
 @triton.jit
+def _ibit(w0, w1, w2, J: tl.constexpr, B: tl.constexpr, NB: tl.constexpr, TUNED: tl.constexpr):
+    """Bit B of index number J (NB bits per index) of a unit, in the published or the runtime layout."""
+    if not TUNED:
+        p = _bit(w0, w1, w2, NB * J + B)
+    elif NB == 2:
+        if J < 8:
+            p = _bit(w0, w1, w2, 4 * J + B)
+        else:
+            p = _bit(w0, w1, w2, 4 * (J - 8) + 2 + B)
+    elif J < 24:
+        p = _bit(w0, w1, w2, 32 * (J // 8) + 4 * (J % 8) + B)
+    else:
+        p = _bit(w0, w1, w2, 32 * B + 4 * (J - 24) + 3)
+    return p
+
+
+@triton.jit
 def _sel4(p0, p1, c0, c1, c2, c3):
     return tl.where(p1, tl.where(p0, c3, c2), tl.where(p0, c1, c0))
 
@@ -179,7 +214,7 @@ def _codebook16(cb_ptr, NLEV: tl.constexpr):
 
 
 @triton.jit
-def _value(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, LUT_MASK: tl.constexpr,
+def _value(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, LUT_MASK: tl.constexpr, TUNED: tl.constexpr,
            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
     """float32 codebook value of index number J of every unit.
 
@@ -187,16 +222,16 @@ def _value(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, LUT_MASK: tl
     (L1-resident) codebook (bit J set: ~5 integer ops + one load), or a tree of selects on the
     index bits (no memory access: 3 selects for 2 bits, 7 for 3, 15 for 4, plus bit tests)."""
     if (LUT_MASK >> J) & 1:
-        v = tl.load(cb_ptr + _extract(w0, w1, w2, J, NLEV))
+        v = tl.load(cb_ptr + _extract(w0, w1, w2, J, NLEV, TUNED))
     elif NLEV == 3:
-        d = _extract(w0, w1, w2, J, NLEV)
+        d = _extract(w0, w1, w2, J, NLEV, TUNED)
         v = tl.where(d == 0, c0, tl.where(d == 1, c1, c2))
     elif NLEV == 4:
-        v = _sel4(_bit(w0, w1, w2, 2 * J), _bit(w0, w1, w2, 2 * J + 1), c0, c1, c2, c3)
+        v = _sel4(_ibit(w0, w1, w2, J, 0, 2, TUNED), _ibit(w0, w1, w2, J, 1, 2, TUNED), c0, c1, c2, c3)
     elif NLEV == 8:
-        p0 = _bit(w0, w1, w2, 3 * J)
-        p1 = _bit(w0, w1, w2, 3 * J + 1)
-        p2 = _bit(w0, w1, w2, 3 * J + 2)
+        p0 = _ibit(w0, w1, w2, J, 0, 3, TUNED)
+        p1 = _ibit(w0, w1, w2, J, 1, 3, TUNED)
+        p2 = _ibit(w0, w1, w2, J, 2, 3, TUNED)
         v = tl.where(p2, _sel4(p0, p1, c4, c5, c6, c7), _sel4(p0, p1, c0, c1, c2, c3))
     else:
         p0 = _bit(w0, w1, w2, 4 * J)
@@ -211,9 +246,9 @@ def _value(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, LUT_MASK: tl
 
 @triton.jit
 def _leaf(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr, DT: tl.constexpr,
-          LUT_MASK: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+          LUT_MASK: tl.constexpr, TU: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
     if J < PER:
-        out = _value(w0, w1, w2, cb_ptr, J, NLEV, LUT_MASK, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(DT)
+        out = _value(w0, w1, w2, cb_ptr, J, NLEV, LUT_MASK, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(DT)
     else:
         out = (w0 & 0).to(DT)  # padding slot (ternary units hold 5 of 8)
     return out
@@ -224,76 +259,77 @@ def _leaf(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, PER: tl.const
 # natural order j = 0..SPAN-1. One function per level (no recursion in Triton functions).
 @triton.jit
 def _tree2(w0, w1, w2, cb_ptr, J0: tl.constexpr, ST: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
-           DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
-    return tl.join(_leaf(w0, w1, w2, cb_ptr, J0, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
-                   _leaf(w0, w1, w2, cb_ptr, J0 + ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+           DT: tl.constexpr, LM: tl.constexpr, TU: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.join(_leaf(w0, w1, w2, cb_ptr, J0, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                   _leaf(w0, w1, w2, cb_ptr, J0 + ST, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
 
 
 @triton.jit
 def _tree4(w0, w1, w2, cb_ptr, J0: tl.constexpr, ST: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
-           DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
-    return tl.join(_tree2(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
-                   _tree2(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+           DT: tl.constexpr, LM: tl.constexpr, TU: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.join(_tree2(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                   _tree2(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
 
 
 @triton.jit
 def _tree8(w0, w1, w2, cb_ptr, J0: tl.constexpr, ST: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
-           DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
-    return tl.join(_tree4(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
-                   _tree4(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+           DT: tl.constexpr, LM: tl.constexpr, TU: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.join(_tree4(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                   _tree4(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
 
 
 @triton.jit
 def _tree16(w0, w1, w2, cb_ptr, J0: tl.constexpr, ST: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
-            DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
-    return tl.join(_tree8(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
-                   _tree8(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+            DT: tl.constexpr, LM: tl.constexpr, TU: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.join(_tree8(w0, w1, w2, cb_ptr, J0, 2 * ST, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                   _tree8(w0, w1, w2, cb_ptr, J0 + ST, 2 * ST, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
 
 
 @triton.jit
 def _decode_unit_values(w0, w1, w2, cb_ptr, PER_P: tl.constexpr, NLEV: tl.constexpr, PER: tl.constexpr,
-                        DT: tl.constexpr, LM: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+                        DT: tl.constexpr, LM: tl.constexpr, TU: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
     """`[..., UPG_P]` units -> `[..., UPG_P, 2, ..., 2]` codebook values (PER_P of them per unit) in DT."""
     if PER_P == 32:
-        out = tl.join(_tree16(w0, w1, w2, cb_ptr, 0, 2, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
-                      _tree16(w0, w1, w2, cb_ptr, 1, 2, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+        out = tl.join(_tree16(w0, w1, w2, cb_ptr, 0, 2, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15),
+                      _tree16(w0, w1, w2, cb_ptr, 1, 2, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
     elif PER_P == 16:
-        out = _tree16(w0, w1, w2, cb_ptr, 0, 1, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+        out = _tree16(w0, w1, w2, cb_ptr, 0, 1, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
     else:
-        out = _tree8(w0, w1, w2, cb_ptr, 0, 1, NLEV, PER, DT, LM, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+        out = _tree8(w0, w1, w2, cb_ptr, 0, 1, NLEV, PER, DT, LM, TU, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
     return out
 
 
 @triton.jit
-def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr):
-    """Load the words (or the byte) of units at `unit_off` (in units); uint32 results."""
-    if mask is None:
-        if WPU == 0:
-            w0 = tl.load(pk_ptr + unit_off, eviction_policy="evict_first").to(tl.uint32)
-            w1 = w0
-            w2 = w0
-        elif WPU == 1:
-            w0 = tl.load(pk_ptr + unit_off, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            w1 = w0
-            w2 = w0
+def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr, TUNED: tl.constexpr, row, NUT):
+    """Load the words (or the byte) of units at `unit_off` (in units: `row * NUT + unit in the row`);
+    uint32 results. In the runtime layout (TUNED) a row's three-word units are stored as three planes
+    (word p of unit u at `p * NUT + u` within the row), so each load is one coalesced sweep."""
+    if WPU == 3:
+        if TUNED:
+            base = pk_ptr + unit_off + row * (2 * NUT)
+            step = NUT
         else:
-            base = pk_ptr + unit_off * WPU
+            base = pk_ptr + unit_off * 3
+            step = 1
+        if mask is None:
             w0 = tl.load(base, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            w1 = tl.load(base + 1, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-            w2 = tl.load(base + 2, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-    elif WPU == 0:
-        w0 = tl.load(pk_ptr + unit_off, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32)
-        w1 = w0
-        w2 = w0
-    elif WPU == 1:
-        w0 = tl.load(pk_ptr + unit_off, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-        w1 = w0
-        w2 = w0
+            w1 = tl.load(base + step, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            w2 = tl.load(base + 2 * step, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        else:
+            w0 = tl.load(base, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            w1 = tl.load(base + step, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+            w2 = tl.load(base + 2 * step, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
     else:
-        base = pk_ptr + unit_off * WPU
-        w0 = tl.load(base, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-        w1 = tl.load(base + 1, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-        w2 = tl.load(base + 2, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        if mask is None:
+            w0 = tl.load(pk_ptr + unit_off, eviction_policy="evict_first")
+        else:
+            w0 = tl.load(pk_ptr + unit_off, mask=mask, other=0, eviction_policy="evict_first")
+        if WPU == 0:
+            w0 = w0.to(tl.uint32)
+        else:
+            w0 = w0.to(tl.uint32, bitcast=True)
+        w1 = w0
+        w2 = w0
     return w0, w1, w2
 
 
@@ -372,7 +408,7 @@ def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, NG, s
                      NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, WPU: tl.constexpr,
                      UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr, GPI: tl.constexpr,
                      LUT_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_G: tl.constexpr,
-                     EXPERTS: tl.constexpr, X_DIV: tl.constexpr):
+                     EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr):
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     if EXPERTS > 0:
@@ -430,11 +466,12 @@ def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, NG, s
                 part += c * xj[None, :, :]
         else:
             if EVEN_N and EVEN_G:
-                w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU)
+                w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, n3, NG * UPG)
             else:
-                w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None, None] & gmask[None, :, None], WPU)
+                w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None, None] & gmask[None, :, None], WPU, TUNED,
+                                         n3, NG * UPG)
             for j in tl.static_range(PER):
-                c = _value(w0, w1, w2, cb_ptr, j, NLEV, LUT_MASK, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+                c = _value(w0, w1, w2, cb_ptr, j, NLEV, LUT_MASK, TUNED, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
                 if EVEN_G:
                     xj = tl.load(xbase + j)
                 else:
@@ -506,7 +543,7 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     _gemv_fma_kernel[grid](x_rot, pk, norms, codebook, out, idx, n, ng, x_rot.stride(0), out.stride(0),
                            NLEV=n_levels, G=group_size, PER=geo["PER"], WPU=geo["WPU"], UPG=geo["UPG"],
                            UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
-                           EXPERTS=experts, X_DIV=x_div, num_warps=warps)
+                           EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed), num_warps=warps)
     return out
 
 
@@ -654,9 +691,34 @@ def _chunk(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr):
 
 
 @triton.jit
+def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.constexpr):
+    """Chunk CH (eight indices) of a unit as the nibbles of a uint32. In the runtime layout the fields
+    already sit in nibbles: 3-bit units hold indices 8p..8p+7 in the low three bits of word p's
+    nibbles and indices 24..31 in their top bits (bit p of index 24+n in nibble n of word p); 2-bit
+    units hold indices 0-7 in the low two bits of each nibble and 8-15 in the high two."""
+    if not TUNED:
+        d = _nibbles(_chunk(w0, w1, w2, CH, NLEV), NLEV)
+    elif NLEV == 8:
+        if CH == 0:
+            d = w0 & 0x77777777
+        elif CH == 1:
+            d = w1 & 0x77777777
+        elif CH == 2:
+            d = w2 & 0x77777777
+        else:
+            d = ((w0 >> 3) & 0x11111111) | ((w1 >> 2) & 0x22222222) | ((w2 >> 1) & 0x44444444)
+    elif CH == 0:
+        d = w0 & 0x33333333
+    else:
+        d = (w0 >> 2) & 0x33333333
+    return d
+
+
+@triton.jit
 def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, stride_xm, stride_om,
                      NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-                     BM: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr):
+                     BM: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr,
+                     TUNED: tl.constexpr):
     """One program per BN weight rows x BM activation rows: one unit per lane, BN rows per thread; every
     index is decoded once and multiplied into the BM activation rows.
 
@@ -690,17 +752,17 @@ def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, st
         uu = u0 + ru
         unit_off = rl[:, None] * NUT + uu[None, :]
         if EVEN_U:
-            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU)
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, rl[:, None], NUT)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
             xm = mmask[:, None]
         else:
             um = (rl >= 0)[:, None] & (uu < NUT)[None, :]
-            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU)
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, TUNED, rl[:, None], NUT)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
             xm = mmask[:, None] & (uu < NUT)[None, :]
         part = tl.zeros([BM, BN, BU], dtype=tl.float32)
         for ch in tl.static_range(PER // 8):
-            d = _nibbles(_chunk(w0, w1, w2, ch, NLEV), NLEV)
+            d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
             v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, USE_ASM)
             xp = xrows + (8 * ch) * NUT + uu[None, :]  # [BM, BU]
             part += v0[None, :, :] * tl.load(xp, mask=xm, other=0.0)[:, None, :]
@@ -723,7 +785,7 @@ def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, st
 @triton.jit
 def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stride_xm, stride_om,
                       NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-                      USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr):
+                      USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr):
     """`_gemv_lut_kernel` for one activation row per program, on 2-D `[BN, BU]` tiles (the 3-D tiles of
     the general kernel cost this case a third of its speed on an H200)."""
     PER: tl.constexpr = 32 if NLEV == 8 else 16
@@ -750,16 +812,16 @@ def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stri
         uu = u0 + ru
         unit_off = rl[:, None] * NUT + uu[None, :]
         if EVEN_U:
-            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU)
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, rl[:, None], NUT)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
         else:
             um = (rl >= 0)[:, None] & (uu < NUT)[None, :]
-            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU)
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, TUNED, rl[:, None], NUT)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
             xm = uu < NUT
         part = tl.zeros([BN, BU], dtype=tl.float32)
         for ch in tl.static_range(PER // 8):
-            d = _nibbles(_chunk(w0, w1, w2, ch, NLEV), NLEV)
+            d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
             v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, USE_ASM)
             xp = xrow + (8 * ch) * NUT + uu
             if EVEN_U:
@@ -798,9 +860,20 @@ def lut_unit(n_levels: int, group_size: int | None = None) -> int:
     return 0 if group_size is not None and unit and group_size % unit else unit
 
 
-def _lut_config(n: int, nut: int, m: int = 1) -> tuple[int, int, int]:
-    """(BN, num_warps, BM) for the LUT GEMV, from the weight shape and the activation-row bucket
-    (1, 2, 4, 8, 16): one unit per lane, BN weight rows per thread, BM activation rows per program."""
+def _lut_config(n: int, nut: int, m: int = 1, tuned: bool = False) -> tuple:
+    """(BN, num_warps, BM) for the LUT GEMV, from the weight shape (rows n, units per row nut), the
+    activation-row bucket (1, 2, 4, 8, 16) and the layout: one unit per lane, BN weight rows per
+    thread, BM activation rows per program (and optionally a register cap). The runtime-layout choices at
+    M = 1 come from a sweep on an H200 (2- and 3-bit, the benchmark shapes): more warps for short rows
+    and few rows, fewer for many."""
+    if tuned and m <= 1:
+        if n >= 16384:
+            return 8, 4, 1
+        if n <= 2048:
+            return 4, 8, 1, 64  # (a cap of 64 registers: the occupancy these short kernels need)
+        if nut <= 128:
+            return 16, 8, 1
+        return (8, 8, 1) if nut % 256 == 0 or nut < 512 else (8, 4, 1)
     bm = 1 if m <= 1 else min(16, triton.next_power_of_2(m))
     warps = 4 if nut >= 128 else (2 if nut >= 64 else 1)
     bn = 8 if (n >= 8192 and bm <= 2) or bm == 4 else 4
@@ -830,8 +903,9 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
         raise ValueError(f"the LUT GEMV serves 4- and 8-entry codebooks, not {n_levels}")
     upg = group_size // per
     nut = ng * upg
-    cfg = tuple(config or _lut_config(n, nut, 1 if experts else m))
-    bn, warps, bm = cfg if len(cfg) == 3 else (*cfg, 1)
+    cfg = tuple(config or _lut_config(n, nut, 1 if experts else m, _tuned(packed)))
+    bn, warps, bm, *extra = cfg if len(cfg) >= 3 else (*cfg, 1)
+    opts = {"maxnreg": extra[0]} if extra and extra[0] else {}
     if experts:
         bm = 1
     bu = min(32 * warps, triton.next_power_of_2(nut))
@@ -843,12 +917,14 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
     if bm == 1:
         _gemv_lut1_kernel[(triton.cdiv(n, bn), m)](
             x_t, pk, norms, codebook, out, idx, n, x_t.stride(0), out.stride(0), NG=ng, NLEV=n_levels, UPG=upg,
-            BN=bn, BU=bu, USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, num_warps=warps)
+            BN=bn, BU=bu, USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed),
+            num_warps=warps, **opts)
         return out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _gemv_lut_kernel[grid](x_t, pk, norms, codebook, out, idx, m, n, x_t.stride(0), out.stride(0),
                            NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm,
-                           USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, num_warps=warps)
+                           USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed),
+                           num_warps=warps, **opts)
     return out
 
 
@@ -860,7 +936,7 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
 def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_xm, stride_om,
                      NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr,
                      WPU: tl.constexpr, UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr,
-                     BM: tl.constexpr, LUT_MASK: tl.constexpr):
+                     BM: tl.constexpr, LUT_MASK: tl.constexpr, TUNED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codebook16(cb_ptr, NLEV)
@@ -884,9 +960,9 @@ def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_
     g = 0
     while g < NG:
         unit_off = (rn[:, None] * NG + g) * UPG + ru[None, :]
-        w0, w1, w2 = _load_units(pk_ptr, unit_off, wmask, WPU)
+        w0, w1, w2 = _load_units(pk_ptr, unit_off, wmask, WPU, TUNED, rn[:, None], NG * UPG)
         xt = tl.load(xptrs + g * G, mask=xmask, other=0.0)
-        w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, DT, LUT_MASK, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+        w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, DT, LUT_MASK, TUNED, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
         w = tl.reshape(w, [BN, BK])
         part = tl.dot(w, xt)
         nr = tl.load(nrm_ptr + rn * NG + g, mask=nmask, other=0.0)
@@ -922,7 +998,8 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
     _gemv_dot_kernel[grid](x_rot, pk, norms, codebook, out, m, n, ng, x_rot.stride(0), out.stride(0),
                            NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
-                           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, num_warps=warps,
+                           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, TUNED=_tuned(packed),
+                           num_warps=warps,
                            num_stages=stages)
     return out
 
@@ -935,7 +1012,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
 def _dequant_kernel(pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_on,
                     NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr,
                     WPU: tl.constexpr, UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr,
-                    LUT_MASK: tl.constexpr):
+                    LUT_MASK: tl.constexpr, TUNED: tl.constexpr):
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codebook16(cb_ptr, NLEV)
@@ -947,8 +1024,9 @@ def _dequant_kernel(pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_on,
     kin = (col // PER_P) * PER + col % PER_P
     kvalid = (col % PER_P < PER) & (kin < G)
     unit_off = (rn[:, None] * NG + g) * UPG + ru[None, :]
-    w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None] & (ru < UPG)[None, :], WPU)
-    w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, tl.float32, LUT_MASK, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+    w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None] & (ru < UPG)[None, :], WPU, TUNED, rn[:, None],
+                              NG * UPG)
+    w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, tl.float32, LUT_MASK, TUNED, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
     w = tl.reshape(w, [BN, BK])
     nr = tl.load(nrm_ptr + rn * NG + g, mask=nmask, other=0.0)
     w = w * nr[:, None]
@@ -970,7 +1048,8 @@ def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torc
     grid = (triton.cdiv(n, bn), ng)
     _dequant_kernel[grid](pk, norms, codebook, out, n, ng, out.stride(0),
                           NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
-                          UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=LUT_MASKS[n_levels], num_warps=4)
+                          UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=LUT_MASKS[n_levels], TUNED=_tuned(packed),
+                          num_warps=4)
     return out
 
 
@@ -983,12 +1062,18 @@ def _interpreting() -> bool:
     return type(_rotate_kernel).__name__ == "InterpretedFunction"
 
 
+def _tuned(packed: torch.Tensor) -> bool:
+    """Whether `packed` is in the runtime layout (int32 words, `turboquant_hf.layout`) rather than the
+    published byte layout (uint8)."""
+    return packed.dtype == torch.int32
+
+
 def _packed_view(packed: torch.Tensor, wpu: int) -> torch.Tensor:
     """The packed bytes as a flat tensor of units' storage: int32 words (2/3/4-bit) or uint8 (ternary)."""
     if not packed.is_contiguous():
         packed = packed.contiguous()
     flat = packed.reshape(-1)
-    if wpu == 0:
+    if wpu == 0 or _tuned(packed):
         return flat
     if flat.storage_offset() % 4:
         flat = flat.clone()

@@ -18,11 +18,12 @@ def test_quantize_on_gpu_matches_cpu(tiny_llama_dir, tmp_path):
                                                dtype=torch.bfloat16)
     layers = {n: m for n, m in gpu.named_modules() if isinstance(m, TurboQuantLinear)}
     assert layers and all(m.weight.tq_packed.is_cuda for m in layers.values())
+    assert all(m.weight.runtime_layout for m in layers.values())  # 3-bit on a GPU: the kernels' layout
     with safe_open(os.path.join(tiny_llama_dir, "model.safetensors"), "pt") as f:
         mismatch = total = 0
         for name, m in layers.items():
             packed, norms = codec.quantize_weight(f.get_tensor(name + ".weight"), 3, 64)
-            a = codec.unpack_indices(m.weight.tq_packed.cpu(), 8, 64)
+            a = codec.unpack_indices(m.weight.published_packed().cpu(), 8, 64)
             b = codec.unpack_indices(packed, 8, 64)
             mismatch += (a != b).sum().item()
             total += a.numel()
@@ -38,7 +39,12 @@ def test_quantize_on_gpu_matches_cpu(tiny_llama_dir, tmp_path):
     assert ((a - b).norm() / b.norm()).item() < 2e-2  # bf16 activations on the GPU vs float32 on the CPU
 
     gpu.save_pretrained(tmp_path)
+    with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as f:  # the published bytes, not the runtime layout
+        for name, m in layers.items():
+            saved = f.get_tensor(name + ".weight.tq_packed")
+            assert saved.dtype == torch.uint8 and torch.equal(saved, m.weight.published_packed().cpu())
     again = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
+    assert all(m.weight.runtime_layout for m in again.modules() if isinstance(m, TurboQuantLinear))
     with torch.no_grad():
         assert torch.equal(again(ids.cuda()).logits, gpu(ids.cuda()).logits)
     out = again.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False)
@@ -56,11 +62,14 @@ def test_linear_module_on_gpu_matches_cpu(bits):
     layer.bias.data.normal_()
     x = torch.randn(5, 300)
     ref = layer(x)
+    published = layer.weight.tq_packed.clone()
     gpu = layer.to("cuda")
     assert gpu.weight.tq_norms.dtype == (torch.float16 if bits == 1.58 else torch.float32)
+    assert gpu.weight.runtime_layout == (bits in (2, 3))
     for m in (1, 5):
         out = gpu(x[:m].cuda()).cpu()
         assert torch.allclose(out, ref[:m], rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (bits, m)
+    assert torch.equal(gpu.to("cpu").weight.tq_packed, published)  # back off the GPU: the published bytes
 
 
 def _mlx_fixture_dirs() -> list[str]:

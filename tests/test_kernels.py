@@ -219,6 +219,49 @@ def test_lut_gemv_experts(L):
         assert _rel(y[p], ref) < 4e-3, p
 
 
+@pytest.mark.parametrize("bits,g", [(2, 64), (3, 64), (3, 128)])
+def test_runtime_layout_kernels(L, bits, g):
+    """Every kernel reads the runtime layout (int32, `turboquant_hf.layout`) and gives exactly what it gives
+    for the published bytes: the LUT GEMV (M = 1 and 3), the select GEMV, the tensor-core GEMV, the
+    dequantization, the whole op at M = 1, 5, 17, and the routed-expert mode."""
+    from turboquant_hf import layout
+
+    n, k = 20, 330
+    packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=40 + bits + g)
+    nl, ng = cb.numel(), norms.shape[1]
+    rt = layout.to_runtime(packed, nl, g, ng)
+    assert rt.dtype == torch.int32 and not torch.equal(rt.view(torch.uint8).view(packed.shape), packed)
+    gen = torch.Generator().manual_seed(2)
+    assert torch.equal(L.dequantize_rotated(rt, norms, cb, g, torch.float32), codec.rotated_weight(packed, norms, cb, g))
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=gen)
+        x_t = L.rotate(x, s1, s2, g, torch.float32, unit=L.lut_unit(nl))
+        x_rot = L.rotate(x, s1, s2, g, torch.float32)
+        assert torch.equal(L.gemv_lut(x_t, rt, norms, cb, g, torch.float32),
+                           L.gemv_lut(x_t, packed, norms, cb, g, torch.float32)), m
+        assert torch.equal(L.gemv_fma(x_rot, rt, norms, cb, g, torch.float32),
+                           L.gemv_fma(x_rot, packed, norms, cb, g, torch.float32)), m
+        assert torch.equal(L.gemv_dot(x_rot, rt, norms, cb, g, torch.float32, config=(16, 4, 1)),
+                           L.gemv_dot(x_rot, packed, norms, cb, g, torch.float32, config=(16, 4, 1))), m
+    for lead in ((1,), (5,), (17,)):
+        x = torch.randn(*lead, k, generator=gen).to(torch.bfloat16)
+        ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
+        y = L.linear(x, rt, norms, cb, s1, s2, g, k)
+        assert torch.equal(y, L.linear(x, packed, norms, cb, s1, s2, g, k)), lead
+        assert _rel(y, ref) < 1.5e-2, lead
+        # the reference accepts the runtime layout too (a module moved between devices keeps working)
+        assert torch.equal(ops.turboquant_linear(x.float(), rt, norms, cb, s1, s2, g, k), ref)
+    # routed experts: stacked matrices, the runtime layout row by row
+    e = 3
+    w = torch.randn(e, n, k, generator=gen)
+    pe, ne = codec.quantize_weight(w, bits, g)
+    re_ = layout.to_runtime(pe, nl, g, ng)
+    idx = torch.tensor([2, 0, -1, 1])
+    x_t = L.rotate(torch.randn(2, k, generator=gen), s1, s2, g, torch.float32, unit=L.lut_unit(nl))
+    assert torch.equal(L.gemv_lut(x_t, re_, ne, cb, g, torch.float32, experts=e, expert_index=idx, x_div=2),
+                       L.gemv_lut(x_t, pe, ne, cb, g, torch.float32, experts=e, expert_index=idx, x_div=2))
+
+
 @pytest.fixture(scope="module")
 def M(L):
     """An interpreted copy of turboquant_hf.kernels.moe that uses the interpreted linear kernels."""

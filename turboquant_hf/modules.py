@@ -13,6 +13,7 @@ from torch import nn
 
 from . import codec
 from . import format as fmt
+from . import layout
 from . import ops  # noqa: F401  (registers torch.ops.turboquant)
 from . import rotation as rotation_
 
@@ -80,8 +81,19 @@ class TurboQuantWeight(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if layout.is_runtime(self.tq_packed):  # checkpoints always get the published bytes
+            destination[prefix + "tq_packed"] = self.published_packed()
         if self.awaiting_dtype is not None:
             destination[prefix[:-1]] = torch.empty(self.source_shape, dtype=self.awaiting_dtype, device="meta")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        runtime = layout.is_runtime(self.tq_packed)
+        if runtime:  # state dicts hold the published bytes: take them in that layout, then rearrange again
+            self.tq_packed = torch.empty(self.expected_shapes()["tq_packed"], dtype=torch.uint8,
+                                         device=self.tq_packed.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if runtime:
+            self.use_runtime_layout_()
 
     def load_packed_(self, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor | None = None,
                      signs: torch.Tensor | None = None) -> None:
@@ -92,6 +104,36 @@ class TurboQuantWeight(nn.Module):
             self.tq_codebook = codebook
             self.tq_signs = signs
         self.awaiting_dtype = None
+        self.use_runtime_layout_()
+
+    # -- layout of the packed indices (see `turboquant_hf.layout`) ---------------------------------------------
+    @property
+    def runtime_layout(self) -> bool:
+        """Whether `tq_packed` holds the GPU kernels' runtime layout (int32) rather than the published bytes."""
+        return layout.is_runtime(self.tq_packed)
+
+    def packed_shape(self) -> tuple[int, ...]:
+        """The shape of `tq_packed` in the published layout (uint8 bytes), whichever layout it is in."""
+        t = self.tq_packed
+        return (t.shape[0], t.shape[1] * 4) if self.runtime_layout else tuple(t.shape)
+
+    def published_packed(self) -> torch.Tensor:
+        """`tq_packed` in the published layout (the tensor itself when it already is)."""
+        return layout.published(self.tq_packed, self.n_levels, self.group_size, self.n_groups)
+
+    def use_runtime_layout_(self) -> bool:
+        """Rearrange `tq_packed` into the runtime layout when it lives on a CUDA device and the weight has one
+        (2- and 3-bit); returns whether it is in that layout now. Lossless: `published_packed()` inverts it."""
+        t = self.tq_packed
+        if (t.dtype == torch.uint8 and t.device.type == "cuda" and layout.supports(self.n_levels, self.group_size)
+                and tuple(t.shape) == self.expected_shapes()["tq_packed"]):
+            self.tq_packed = layout.to_runtime(t, self.n_levels, self.group_size, self.n_groups)
+        return self.runtime_layout
+
+    def use_published_layout_(self) -> None:
+        """Put `tq_packed` back into the published byte layout (in place)."""
+        if self.runtime_layout:
+            self.tq_packed = self.published_packed()
 
     @property
     def bits(self):
@@ -118,14 +160,20 @@ class TurboQuantWeight(nn.Module):
             after = getattr(self, name)
             if after.dtype != before.dtype:
                 setattr(self, name, before.to(device=after.device))
+        # the runtime layout belongs to CUDA devices: elsewhere the published bytes
+        if self.tq_packed.device.type == "cuda":
+            self.use_runtime_layout_()
+        elif self.tq_packed.device.type != "meta":
+            self.use_published_layout_()
         return self
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The effective weight `(rows, in_features)` (the product the forward computes, as one matrix)."""
         if self.rotation == "hadamard":
-            w = codec.rotated_weight(self.tq_packed, self.tq_norms.float(), self.tq_codebook.float(), self.group_size)
+            w = codec.rotated_weight(self.published_packed(), self.tq_norms.float(), self.tq_codebook.float(),
+                                     self.group_size)
             return rotation_.unrotate_rows(w, self.tq_signs.float()).to(dtype)
-        return codec.dequantize_weight(self.tq_packed, self.tq_norms, self.in_features, self.group_size, dtype=dtype)
+        return codec.dequantize_weight(self.published_packed(), self.tq_norms, self.in_features, self.group_size, dtype=dtype)
 
     def extra_repr(self) -> str:
         return (f"rows={self.rows}, in_features={self.in_features}, bits={self.bits}, group_size={self.group_size}"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import codec, rotation
+from . import codec, layout, rotation
 
 # Bound on the float32 weight block the reference materialises per step.
 _REFERENCE_BLOCK_ELEMENTS = 1 << 22
@@ -43,9 +43,8 @@ def codebook_matmul(
     block = max(1, _REFERENCE_BLOCK_ELEMENTS // (n_groups * group_size))
     for start in range(0, rows, block):
         stop = min(rows, start + block)
-        w = codec.rotated_weight(
-            packed[start * n_groups : stop * n_groups], norms[start:stop], codebook, group_size
-        )
+        chunk = layout.published(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
+        w = codec.rotated_weight(chunk, norms[start:stop], codebook, group_size)
         out[:, start:stop] = x_rot @ w.T
     return out
 

@@ -344,11 +344,15 @@ class TurboQuantHfQuantizer(HfQuantizer):
             if isinstance(module, TurboQuantWeight):
                 for attr, shape in module.expected_shapes().items():
                     t = getattr(module, attr)
-                    if t.is_meta or tuple(t.shape) != shape:
+                    got = module.packed_shape() if attr == "tq_packed" else tuple(t.shape)
+                    if t.is_meta or got != shape:
                         raise ckpt.CheckpointError(
-                            f"{name}.{attr}: expected shape {shape}, got {tuple(t.shape)} on {t.device}"
+                            f"{name}.{attr}: expected shape {shape}, got {got} on {t.device}"
                         )
         model.__dict__.pop("get_parameter_or_buffer", None)
+        for module in model.modules():  # 2- and 3-bit weights on a GPU: the kernels' runtime layout
+            if isinstance(module, TurboQuantWeight):
+                module.use_runtime_layout_()
         self._restore_requested_dtype(model)
         self._dequantize_into_parameters(model)
         _drop_expert_converters_for_saving(model)

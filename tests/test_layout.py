@@ -1,0 +1,102 @@
+"""The runtime layout of packed 2- and 3-bit indices (`turboquant_hf.layout`) and how modules keep it out
+of checkpoints: exact round trips, the documented bit positions, and a module whose packed tensor is in
+the runtime layout (as on a GPU) still computing, saving, reloading and dequantizing as the published one."""
+
+import pytest
+import torch
+
+from turboquant_hf import TurboQuantLinear, codec, layout, ops
+from turboquant_hf import format as fmt
+from turboquant_hf.modules import quantize_linear_
+
+
+@pytest.mark.parametrize("n_levels,g", [(4, 64), (4, 128), (8, 64), (8, 128), (8, 256)])
+def test_round_trip_and_bit_positions(n_levels, g):
+    rows, ng = 7, 3
+    gen = torch.Generator().manual_seed(n_levels * g)
+    idx = torch.randint(0, n_levels, (rows * ng, g), generator=gen)
+    packed = codec.pack_indices(idx, n_levels)
+    rt = layout.to_runtime(packed, n_levels, g, ng)
+    assert rt.dtype == torch.int32 and rt.shape == (rows * ng, packed.shape[1] // 4)
+    assert torch.equal(layout.to_published(rt, n_levels, g, ng), packed)
+    assert layout.published(packed, n_levels, g, ng) is packed
+
+    # every index of every row, read back from the documented positions
+    per = layout.UNITS[n_levels][0]
+    nut = ng * g // per
+    words = rt.view(rows, -1).long() & 0xFFFFFFFF
+    want = idx.view(rows, nut, per)
+    got = torch.empty_like(want)
+    for j in range(per):
+        if n_levels == 4:
+            got[:, :, j] = (words >> (4 * j if j < 8 else 4 * (j - 8) + 2)) & 3
+        elif j < 24:
+            p, n = divmod(j, 8)
+            got[:, :, j] = (words[:, p * nut:(p + 1) * nut] >> (4 * n)) & 7
+        else:
+            n = j - 24
+            got[:, :, j] = sum(((words[:, p * nut:(p + 1) * nut] >> (4 * n + 3)) & 1) << p for p in range(3))
+    assert torch.equal(got, want)
+
+
+def test_layouts_that_do_not_exist_are_refused():
+    assert not layout.supports(16, 128) and not layout.supports(3, 128) and not layout.supports(8, 16)
+    packed = codec.pack_indices(torch.zeros(2, 128, dtype=torch.long), 16)
+    with pytest.raises(ValueError, match="no runtime layout"):
+        layout.to_runtime(packed, 16, 128, 1)
+    with pytest.raises(TypeError, match="uint8"):
+        layout.to_runtime(torch.zeros(2, 12, dtype=torch.int32), 8, 128, 1)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_module_in_runtime_layout_computes_saves_and_reloads_the_published_bytes(bits):
+    torch.manual_seed(bits)
+    lin = TurboQuantLinear(300, 40, bias=False, bits=bits, group_size=64)
+    quantize_linear_(lin, torch.randn(40, 300))
+    published = lin.weight.tq_packed.clone()
+    x = torch.randn(3, 300)
+    ref = lin(x)
+    w_ref = lin.weight.dequantize()
+
+    w = lin.weight
+    w.tq_packed = layout.to_runtime(published, w.n_levels, w.group_size, w.n_groups)  # as on a GPU
+    assert w.runtime_layout and w.packed_shape() == tuple(published.shape)
+    assert torch.equal(lin(x), ref)  # the reference op reads the runtime layout too
+    assert torch.equal(w.dequantize(), w_ref)
+    sd = lin.state_dict()
+    assert sd["weight.tq_packed"].dtype == torch.uint8 and torch.equal(sd["weight.tq_packed"], published)
+
+    # loading published bytes into a module in the runtime layout
+    other = TurboQuantLinear(300, 40, bias=False, bits=bits, group_size=64)
+    other.weight.tq_packed = layout.to_runtime(torch.zeros_like(published), w.n_levels, 64, w.n_groups)
+    other.load_state_dict(sd)
+    assert torch.equal(other(x), ref)
+    assert torch.equal(other.weight.published_packed(), published)
+
+    # leaving the GPU (any move to a non-CUDA device) restores the published bytes in place
+    lin.to(torch.float64)
+    assert not w.runtime_layout and torch.equal(w.tq_packed, published)
+
+
+def test_non_tunable_tiers_stay_published():
+    lin = TurboQuantLinear(256, 16, bias=False, bits=4, group_size=128)
+    quantize_linear_(lin, torch.randn(16, 256))
+    assert not lin.weight.use_runtime_layout_()  # (on CPU nothing changes either)
+    assert lin.weight.tq_packed.dtype == torch.uint8
+    assert not layout.supports(fmt.levels_for_bits(fmt.TERNARY), 128)
+
+
+def test_codebook_matmul_accepts_runtime_blocks():
+    """The reference product slices rows in blocks; both layouts give identical results block by block."""
+    torch.manual_seed(0)
+    w = torch.randn(70, 256)
+    packed, norms = codec.quantize_weight(w, 3, 128)
+    rt = layout.to_runtime(packed, 8, 128, 2)
+    cb = fmt.codebook(8, 128)
+    x = torch.randn(4, 256)
+    old = ops._REFERENCE_BLOCK_ELEMENTS
+    try:
+        ops._REFERENCE_BLOCK_ELEMENTS = 256 * 9  # 9 rows per block: blocks do not align with anything
+        assert torch.equal(ops.codebook_matmul(x, rt, norms, cb, 128), ops.codebook_matmul(x, packed, norms, cb, 128))
+    finally:
+        ops._REFERENCE_BLOCK_ELEMENTS = old

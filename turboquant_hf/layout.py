@@ -1,0 +1,109 @@
+"""The runtime layout of packed 2- and 3-bit indices: the same bits, rearranged for the GPU kernels.
+
+Checkpoints always hold the published tq3_native layout (`codec.pack_indices`: every group an LSB-first
+bit stream of uint8). On a CUDA device the packed tensors of 2- and 3-bit weights are rearranged once,
+losslessly and without changing their size, into int32 words that the decode GEMV reads with fewer
+instructions and fully coalesced loads; the dtype (int32 instead of uint8) says which layout a tensor
+is in, so every kernel and the reference path accept both. `save_pretrained` / `state_dict()` and
+moving a module off the GPU give the published bytes back (`TurboQuantWeight`).
+
+Units (the same as the kernels'): 16 indices (one word) at 2 bits, 32 indices (three words) at 3 bits,
+numbered along the row (all groups of a row, in order).
+
+- 2 bits: nibble n of the word holds index n in its low two bits and index 8+n in its high two bits.
+- 3 bits: nibble n of word p holds index 8p+n in its low three bits; its top bit is bit p of index 24+n.
+  A row's units are stored as three planes: word p of unit u at `p * units_per_row + u` within the row.
+
+Both turn into byte-permute selectors (one nibble per index) with a mask, or for indices 24..31 three
+shifts and masks, where the published layout needs about four operations per index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import codec
+
+# codebook size -> (indices per unit, words per unit)
+UNITS = {4: (16, 1), 8: (32, 3)}
+
+_CHUNK_INDICES = 1 << 24  # indices converted at a time (bounds the temporaries)
+
+
+def supports(n_levels: int, group_size: int) -> bool:
+    """Whether weights of this codebook size and group size have a runtime layout."""
+    return n_levels in UNITS and group_size % UNITS[n_levels][0] == 0
+
+
+def is_runtime(packed: torch.Tensor) -> bool:
+    return packed.dtype == torch.int32
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) as the int32 with the same bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _row_chunks(packed: torch.Tensor, n_groups: int, group_size: int):
+    rows = packed.shape[0] // n_groups
+    step = max(1, _CHUNK_INDICES // (n_groups * group_size))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        yield packed[r0 * n_groups:r1 * n_groups], r1 - r0
+
+
+def to_runtime(packed: torch.Tensor, n_levels: int, group_size: int, n_groups: int) -> torch.Tensor:
+    """Published uint8 `(rows*n_groups, bytes_per_group)` -> runtime int32 `(rows*n_groups, bytes_per_group/4)`."""
+    if not supports(n_levels, group_size):
+        raise ValueError(f"no runtime layout for {n_levels}-entry codebooks with group size {group_size}")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"expected published uint8 packed indices, got {packed.dtype}")
+    per = UNITS[n_levels][0]
+    out = []
+    for chunk, rows in _row_chunks(packed, n_groups, group_size):
+        idx = codec.unpack_indices(chunk, n_levels, group_size).view(rows, -1, per)  # (rows, units, per)
+        if n_levels == 4:
+            sh = torch.arange(8, device=idx.device) * 4
+            words = ((idx[..., :8] << sh) | (idx[..., 8:] << (sh + 2))).sum(-1)  # (rows, units)
+        else:
+            sh = torch.arange(8, device=idx.device) * 4
+            planes = []
+            for p in range(3):
+                low = (idx[..., 8 * p:8 * p + 8] << sh).sum(-1)
+                top = (((idx[..., 24:] >> p) & 1) << (sh + 3)).sum(-1)
+                planes.append(low | top)
+            words = torch.stack(planes, 1)  # (rows, 3, units)
+        out.append(_to_int32(words).reshape(rows * n_groups, -1))
+    if not out:
+        return packed.new_empty((packed.shape[0], packed.shape[1] // 4), dtype=torch.int32)
+    return torch.cat(out) if len(out) != 1 else out[0]
+
+
+def to_published(packed: torch.Tensor, n_levels: int, group_size: int, n_groups: int) -> torch.Tensor:
+    """Inverse of `to_runtime` (a uint8 tensor is returned as it is)."""
+    if packed.dtype == torch.uint8:
+        return packed
+    if not supports(n_levels, group_size) or packed.dtype != torch.int32:
+        raise ValueError(f"not a runtime-layout tensor for {n_levels}-entry codebooks, group size {group_size}")
+    out = []
+    for chunk, rows in _row_chunks(packed, n_groups, group_size):
+        words = chunk.reshape(rows, -1).to(torch.int64) & 0xFFFFFFFF
+        sh = torch.arange(8, device=words.device) * 4
+        if n_levels == 4:
+            w = words.unsqueeze(-1)  # (rows, units, 1)
+            idx = torch.cat([(w >> sh) & 3, (w >> (sh + 2)) & 3], -1)
+        else:
+            w = words.view(rows, 3, -1).unsqueeze(-1)  # (rows, 3, units, 1)
+            low = (w >> sh) & 7  # (rows, 3, units, 8)
+            top = (w >> (sh + 3)) & 1
+            tail = top[:, 0] | (top[:, 1] << 1) | (top[:, 2] << 2)  # (rows, units, 8)
+            idx = torch.cat([low[:, 0], low[:, 1], low[:, 2], tail], -1)
+        out.append(codec.pack_indices(idx.reshape(rows * n_groups, group_size), n_levels))
+    if not out:
+        return packed.new_empty((packed.shape[0], packed.shape[1] * 4), dtype=torch.uint8)
+    return torch.cat(out) if len(out) != 1 else out[0]
+
+
+def published(packed: torch.Tensor, n_levels: int, group_size: int, n_groups: int) -> torch.Tensor:
+    """The published uint8 bytes of `packed`, whichever layout it is in."""
+    return to_published(packed, n_levels, group_size, n_groups) if is_runtime(packed) else packed
