@@ -219,16 +219,101 @@ def test_memory_budget_slices_without_changing_bytes(tiny_llama_dir, tmp_path):
     assert a.bytes_in == converter.total_bytes
 
 
-def test_device_path_writes_the_same_bytes(tiny_llama_dir, tmp_path, monkeypatch):
-    """The path a GPU takes (one thread reads ahead, the main thread quantizes on the device) gives the bytes of
-    the CPU worker pool: run here on the CPU device."""
+def _device_path(monkeypatch):
+    """Run the path a GPU takes on the CPU device: reader threads fill reusable host buffers, the main thread
+    quantizes into them, the writer thread writes (page-locked buffers, streams and events are CUDA's alone).
+    Returns the host buffer pools the conversions make."""
     from turboquant_hf import converter
 
-    kw = dict(max_memory=100_000, max_shard_size=150_000)
-    _convert(tiny_llama_dir, tmp_path / "pool", **kw)
     monkeypatch.setattr(converter, "_POOLED_DEVICES", ())
-    _convert(tiny_llama_dir, tmp_path / "device", **kw)
+    pools = []
+
+    class Recorded(converter._HostBuffers):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            pools.append(self)
+
+    monkeypatch.setattr(converter, "_HostBuffers", Recorded)
+    return pools
+
+
+@pytest.fixture(scope="module")
+def float32_moe_dir(tmp_path_factory):
+    """A Qwen3 MoE saved in float32 with per-expert tensors: several sources per quantized unit, and float32
+    slices that the quantizer divides in place."""
+    from test_moe import qwen3_moe
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("moe_f32")
+    qwen3_moe().to(torch.float32).save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.parametrize("case", ["budget", "whole", "ternary", "moe"])
+def test_device_path_writes_the_same_bytes(case, tiny_llama_dir, float32_moe_dir, tmp_path, monkeypatch):
+    """The device pipeline gives the bytes of the CPU worker pool, with many slices in flight (a small budget)
+    or one slice a tensor, float16 norms after packed groups of an odd width (ternary, G = 64), several sources
+    a unit in float32; and never holds more host buffers than slices in flight."""
+    from turboquant_hf import converter
+
+    src = float32_moe_dir if case == "moe" else tiny_llama_dir
+    kw = {"budget": dict(max_memory=100_000, max_shard_size=150_000), "whole": {},
+          "ternary": dict(quantization_config=TurboQuantConfig(bits=1.58, group_size=64), max_shard_size=150_000),
+          "moe": dict(max_memory=200_000)}[case]
+    _convert(src, tmp_path / "pool", **kw)
+    pools = _device_path(monkeypatch)
+    _convert(src, tmp_path / "device", **kw)
     _same_files(tmp_path / "pool", tmp_path / "device")
+    assert len(pools) == 1 and 1 <= pools[0].allocated <= converter._DEVICE_IN_FLIGHT
+    assert not pools[0].pin  # page-locked on CUDA only
+    if case == "budget":
+        assert pools[0].allocated > 1  # slices overlap
+
+
+@pytest.mark.parametrize("path", ["pool", "device"])
+def test_write_error_in_the_writer_thread(path, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """A full disk while writing (in the writer thread): the caller gets an OSError naming the file, and neither
+    the output nor the temporary folder is left; likewise an error while finishing a shard, and from the CLI."""
+    import errno
+    import threading
+
+    if path == "device":
+        _device_path(monkeypatch)
+    write, finish = _ShardWriter.write, _ShardWriter.finish
+    calls = []
+
+    def full_disk(self, *a):
+        calls.append(a[0])
+        if len(calls) > 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, *a)
+
+    kw = dict(max_memory=100_000, max_shard_size=150_000)
+    with monkeypatch.context() as m:
+        m.setattr(_ShardWriter, "write", full_disk)
+        with pytest.raises(OSError, match="No space left on device") as e:
+            _convert(tiny_llama_dir, tmp_path / "out", **kw)
+    assert e.value.errno == errno.ENOSPC and ".out.partial" in e.value.filename and e.value.filename.endswith(".tmp")
+    assert len(calls) == 6  # nothing written after the error
+    assert os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("turboquant-convert")]
+
+    def broken_finish(self):
+        finish(self)
+        raise RuntimeError("finish failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(_ShardWriter, "finish", broken_finish)
+        with pytest.raises(RuntimeError, match="finish failed"):
+            _convert(tiny_llama_dir, tmp_path / "out", **kw)
+    assert os.listdir(tmp_path) == []
+
+    calls.clear()
+    monkeypatch.setattr(_ShardWriter, "write", full_disk)
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "out"), "--streaming"]) == 1
+    err = capsys.readouterr().err
+    assert "failed: OSError: [Errno 28] No space left on device" in err and ".out.partial" in err
+    assert os.listdir(tmp_path) == []
 
 
 def test_budget_smaller_than_the_largest_tensor_is_refused(tiny_llama_dir, tmp_path, monkeypatch, capsys):
@@ -298,7 +383,12 @@ class _Interrupt:
         monkeypatch.setattr(_ShardWriter, "finish", patched)
 
 
-def test_resume_after_an_interruption(tiny_llama_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["pool", "device"])
+def test_resume_after_an_interruption(path, tiny_llama_dir, tmp_path, monkeypatch):
+    """Interrupted in the writer thread once two shards are finished: they are kept, and resume writes the rest
+    (on the worker pool's path and on the device pipeline's)."""
+    if path == "device":
+        _device_path(monkeypatch)
     kw = dict(quantization_config=TurboQuantConfig(bits=4, group_size=64), max_shard_size=100_000)
     full = _convert(tiny_llama_dir, tmp_path / "ref", **kw)
     assert len(full.shards) >= 5
@@ -534,7 +624,10 @@ def test_integer_weights_are_refused(tiny_llama_dir, tmp_path, capsys):
     _assert_refused(src, tmp_path, capsys, r"tensor model\.layers\.1\.self_attn\.v_proj\.weight is stored as I8")
 
 
-def test_nan_half_way_leaves_nothing(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("path", ["pool", "device"])
+def test_nan_half_way_leaves_nothing(path, tiny_llama_dir, tmp_path, monkeypatch):
+    if path == "device":
+        _device_path(monkeypatch)
     src = _copy_source(tiny_llama_dir, tmp_path / "src", skip=("model.safetensors",))
     t = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))
     t["model.layers.1.mlp.up_proj.weight"][5, 7] = float("nan")

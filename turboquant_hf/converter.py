@@ -6,9 +6,9 @@ holding the model: the module replacement runs on the meta device to decide what
 source tensor is read in slices of rows with plain file reads (no memory map, so nothing of the source stays
 resident), quantized on the best device available, and written straight to its place in the output shard.
 
-Memory: the working set is one slice of rows in flight per worker, plus one (about 32 bytes per weight of a
-slice; slices of 256K weights on CPU, 64M on a GPU), whatever the size of the tensors or of the model;
-`max_memory` caps it.
+Memory: the working set is a few slices of rows in flight: one per worker plus two on CPU (about 32 bytes per
+weight of a slice; slices of 256K weights), eight for a GPU (their source rows and results in reusable page-locked
+host buffers; slices of 16M weights), whatever the size of the tensors or of the model; `max_memory` caps it.
 
 Safety: the layout of every output shard is computed from the source headers before any work, and the
 shards are written into `.NAME.partial` beside `save_dir`, each renamed from `*.tmp` once complete and synced.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import re
 import shutil
 import struct
@@ -76,9 +77,13 @@ _SCALE_TENSOR = re.compile(r"^(.*)\.(weight_scale_inv|weight_scale|weight_scale_
 # and comparisons, the codebook values of the norm correction and their int32 gather index, the packed output.
 _BYTES_PER_ELEMENT = 32
 _CPU_SLICE = 1 << 18  # weights per slice on CPU: its temporaries (8 MB) stay in the caches
-_CUDA_SLICE = 1 << 26
+_CUDA_SLICE = 1 << 24  # 32 MB of bf16 a slice: large enough for the kernels, small enough for the host buffers
 # devices whose slices are quantized by the worker pool; on the others (CUDA) the main thread quantizes
 _POOLED_DEVICES = ("cpu",)
+# threads that read ahead for a device, and slices on their way from the disk to the output (being read, waiting
+# for the device, on it, being written)
+_DEVICE_READERS = 4
+_DEVICE_IN_FLIGHT = 8
 # bytes per slice of a tensor copied as it is: no larger than a quantized slice's buffers, so that the allocator
 # keeps returning them to the system (a larger freed block raises glibc's mmap threshold, and each worker's arena
 # then holds on to its largest slices: measured 140 MB instead of 40 MB at 16 MB slices)
@@ -254,14 +259,16 @@ class _Reader:
         self.fds: dict[str, int] = {}
         self.lock = threading.Lock()  # positioned reads share a descriptor safely; opening it is guarded
 
-    def read(self, t: _SourceTensor, byte_offset: int, nbytes: int) -> torch.Tensor:
+    def read(self, t: _SourceTensor, byte_offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`nbytes` bytes of `t` from `byte_offset`, as uint8: in a new tensor, or at the start of the uint8
+        host tensor `out` (a reusable, possibly page-locked buffer), of which the filled part is returned."""
         fd = self.fds.get(t.file)
         if fd is None:
             with self.lock:
                 fd = self.fds.get(t.file)
                 if fd is None:
                     fd = self.fds[t.file] = os.open(t.file, os.O_RDONLY)
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
         view = memoryview(buf.numpy())
         done = 0
         while done < nbytes:
@@ -271,9 +278,10 @@ class _Reader:
             done += got
         return buf
 
-    def rows(self, t: _SourceTensor, r0: int, r1: int) -> torch.Tensor:
+    def rows(self, t: _SourceTensor, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
         width = t.row_width * t.itemsize
-        return self.read(t, r0 * width, (r1 - r0) * width).view(_TORCH_DTYPES[t.dtype]).view(r1 - r0, t.row_width)
+        data = self.read(t, r0 * width, (r1 - r0) * width, out)
+        return data.view(_TORCH_DTYPES[t.dtype]).view(r1 - r0, t.row_width)
 
     def close(self):
         for fd in self.fds.values():
@@ -345,6 +353,138 @@ def _shard_is_complete(path: str, entries) -> bool:
         return False
     with open(path, "rb") as f:
         return f.read(len(head)) == head
+
+
+class _HostBuffers:
+    """Reusable host buffers for the slices in flight to a device: one for a slice's source rows, one for its
+    results (norms first, the packed bytes at the next multiple of 64). Page-locked when `pin` (CUDA), so that the
+    copies to and from the device run asynchronously. A pair is allocated only when none is free, so there are
+    never more pairs than slices in flight."""
+
+    def __init__(self, in_bytes: int, out_bytes: int, pin: bool):
+        self.in_bytes, self.out_bytes, self.pin = in_bytes, out_bytes, pin
+        self.allocated = 0
+        self._free: list = []
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.allocated += 1
+        return (torch.empty(self.in_bytes, dtype=torch.uint8, pin_memory=self.pin),
+                torch.empty(self.out_bytes, dtype=torch.uint8, pin_memory=self.pin))
+
+    def give(self, pair) -> None:
+        with self._lock:
+            self._free.append(pair)
+
+    @staticmethod
+    def results(out: torch.Tensor, packed_shape, norms_shape, norms_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of an output buffer for a slice's (packed, norms)."""
+        n_norms = math.prod(norms_shape) * torch.empty((), dtype=norms_dtype).element_size()
+        start = -(-n_norms // 64) * 64
+        packed = out[start:start + math.prod(packed_shape)].view(packed_shape)
+        return packed, out[:n_norms].view(norms_dtype).view(norms_shape)
+
+
+class _SliceWriter:
+    """Writes finished slices at their places in the shards, in the order they are put, and finishes a shard
+    (sync, rename) as soon as its last tensor is written: on its own thread, so that the writes overlap the
+    reading and the quantizing. At most `in_flight` slices are between `reserve()` and their write.
+
+    Only this thread touches the shard writers while it runs. Its first error (an OSError names the shard) stops
+    the writing: the caller gets it from its next `reserve()`, `put()` or `close()`."""
+
+    def __init__(self, out_dir: str, layout, done_files: set, in_flight: int):
+        self.out_dir, self.done_files = out_dir, done_files
+        self.entries_of = dict(layout)
+        self.where = {name: f for f, entries in layout for name, _, _ in entries}  # output tensor -> shard
+        self.pending = {f: len(entries) for f, entries in layout}  # tensors still to finish per shard
+        self.writers: dict[str, _ShardWriter] = {}
+        self.error: BaseException | None = None
+        self._stop = False
+        self._room = threading.Semaphore(in_flight)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="turboquant-convert-writer", daemon=True)
+        self._thread.start()
+
+    def reserve(self) -> None:
+        """Wait until fewer than `in_flight` slices are on their way (raises the writing's error, if any)."""
+        while not self._room.acquire(timeout=0.05):
+            self.check()
+        self.check()
+
+    def put(self, writes, finished=(), ready=None, release=None) -> None:
+        """Write [(tensor name, byte offset, host tensor)] once the event `ready` (None: now) has completed, then
+        mark the tensors `finished` complete; call `release()` after, whatever happens."""
+        self.check()
+        self._queue.put((writes, finished, ready, release))
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Wait for every write (raises the writing's error, if any)."""
+        self._queue.put(None)
+        self._thread.join()
+        self.check()
+        if self.writers:  # pragma: no cover - a layout bug
+            raise RuntimeError(f"shards left unfinished: {sorted(self.writers)}")
+
+    def abort(self) -> None:
+        """Stop without writing what is still queued; close the unfinished shards (never renamed)."""
+        self._stop = True
+        self._queue.put(None)
+        self._thread.join()
+        for w in self.writers.values():
+            w.abandon()
+        self.writers = {}
+
+    def _shard(self, name: str) -> _ShardWriter | None:
+        f = self.where[name]
+        if f in self.done_files:
+            return None
+        if f not in self.writers:
+            self.writers[f] = _ShardWriter(os.path.join(self.out_dir, f), self.entries_of[f])
+        return self.writers[f]
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            writes, finished, ready, release = item
+            shard = None
+            try:
+                if self.error is None and not self._stop:
+                    if ready is not None:
+                        ready.synchronize()
+                    for name, byte_offset, tensor in writes:
+                        shard = self.where[name]
+                        w = self._shard(name)
+                        if w is not None:
+                            w.write(name, byte_offset, tensor)
+                    for name in finished:
+                        shard = self.where[name]
+                        if shard not in self.done_files:
+                            self.pending[shard] -= 1
+                            if self.pending[shard] == 0:
+                                self.writers[shard].finish()
+                                del self.writers[shard]
+            except OSError as e:
+                self.error = e
+                if e.filename is None and shard is not None:  # say which file could not be written
+                    self.error = OSError(e.errno, e.strerror or str(e), os.path.join(self.out_dir, shard + ".tmp"))
+                    self.error.__cause__ = e
+            except BaseException as e:  # noqa: B036 - handed to the caller, KeyboardInterrupt included
+                self.error = e
+            finally:
+                del writes, item
+                if release is not None:
+                    release()
+                self._room.release()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -766,45 +906,31 @@ class TurboQuantizer(_QuantizerBase):
 
         On CPU, slices are read and quantized by a pool of single-threaded workers (one per torch thread): whole
         slices in parallel, rather than every operation split across cores, which stalls at each of the ~40
-        operations of a slice as soon as another process takes a core. On CUDA one thread reads ahead and the
-        device quantizes. Slices are written in order at their fixed places in the shards, and a shard is
-        synced and renamed as soon as its last tensor is complete."""
+        operations of a slice as soon as another process takes a core. On a device (CUDA), a pipeline: several
+        threads read slices ahead into reusable host buffers (page-locked), the main thread copies each to the
+        device on a copy stream, quantizes it there once the copy is done, and copies the results back into
+        host buffers, all asynchronously; the writer thread waits for those copies. On both, a writer thread
+        writes the slices in order at their fixed places in the shards, and syncs and renames a shard as soon as
+        its last tensor is complete, while the next slices are read and quantized."""
         from tqdm.auto import tqdm
 
         from .modules import to_norms_dtype
 
-        where = {}  # output tensor -> shard file
-        for f, entries in layout:
-            for name, _, _ in entries:
-                where[name] = f
-        pending = {f: len(entries) for f, entries in layout}  # tensors still to finish per shard
-        entries_of = dict(layout)
+        where = {name: f for f, entries in layout for name, _, _ in entries}
         todo = [u for u in units if any(where[n] not in done_files for n, _, _ in u.outputs)]
         on_cpu = device.type in _POOLED_DEVICES
-        workers = max(1, torch.get_num_threads()) if on_cpu else 2  # on a GPU: two threads read ahead
-        in_flight = workers + 1
+        cuda = device.type == "cuda" and not on_cpu
+        if on_cpu:  # the workers, one slice being written and one ready for the writer
+            workers = max(1, torch.get_num_threads())
+            in_flight = workers + 2
+        else:
+            workers = _DEVICE_READERS
+            in_flight = _DEVICE_IN_FLIGHT
         slice_elems = _CPU_SLICE if on_cpu else _CUDA_SLICE
         copy_bytes = _COPY_SLICE
         if max_memory is not None:  # every slice in flight at once, with its temporaries, within the budget
             slice_elems = max(1, min(slice_elems, max_memory // (in_flight * _BYTES_PER_ELEMENT)))
             copy_bytes = max(1, min(copy_bytes, max_memory // (in_flight * 4)))
-        writers: dict[str, _ShardWriter] = {}
-
-        def writer(name):
-            f = where[name]
-            if f in done_files:
-                return None
-            if f not in writers:
-                writers[f] = _ShardWriter(os.path.join(out_dir, f), entries_of[f])
-            return writers[f]
-
-        def finished(name):
-            f = where[name]
-            if f in done_files:
-                return
-            pending[f] -= 1
-            if pending[f] == 0:
-                writers.pop(f).finish()
 
         kernels = {}
         for unit in todo:
@@ -813,6 +939,9 @@ class TurboQuantizer(_QuantizerBase):
                 kernels[target.n_levels, target.group_size] = _SliceQuantizer(
                     fmt.bits_for_levels(target.n_levels), target.group_size, device)
 
+        def slice_rows(unit, t):
+            return max(1, slice_elems // max(1, fmt.padded_width(t.row_width, unit.target.group_size)))
+
         # every slice, in order: (unit, source tensor, row offset of the source in the unit, first, last) where
         # first/last are rows of a quantized source, or bytes of a tensor copied as it is
         def tasks():
@@ -820,7 +949,7 @@ class TurboQuantizer(_QuantizerBase):
                 if unit.target is not None:
                     offset = 0
                     for t in unit.sources:
-                        rows = max(1, slice_elems // max(1, fmt.padded_width(t.row_width, unit.target.group_size)))
+                        rows = slice_rows(unit, t)
                         for r0 in range(0, t.rows, rows):
                             yield unit, t, offset, r0, min(t.rows, r0 + rows)
                         offset += t.rows
@@ -830,12 +959,32 @@ class TurboQuantizer(_QuantizerBase):
                     for b0 in range(0, max(t.nbytes, 1), step):
                         yield unit, t, 0, b0, min(t.nbytes, b0 + step)
 
+        def result_shapes(unit, rows):
+            (_, _, pshape), (_, ndtype, _) = unit.outputs
+            n_groups = pshape[0] // unit.target.rows
+            return (rows * n_groups, pshape[1]), (rows, n_groups), _TORCH_DTYPES[ndtype]
+
+        buffers = None
+        if not on_cpu:  # host buffers as large as the largest slice of a quantized tensor
+            in_bytes = out_bytes = 0
+            for unit in todo:
+                for t in unit.sources if unit.target is not None else ():
+                    rows = min(t.rows, slice_rows(unit, t))
+                    pshape, nshape, ndtype = result_shapes(unit, rows)
+                    in_bytes = max(in_bytes, rows * t.row_width * t.itemsize)
+                    n_norms = math.prod(nshape) * torch.empty((), dtype=ndtype).element_size()
+                    out_bytes = max(out_bytes, -(-n_norms // 64) * 64 + math.prod(pshape))
+            buffers = _HostBuffers(in_bytes, out_bytes, pin=cuda)
+        if cuda:
+            compute_stream = torch.cuda.current_stream(device)
+            copy_stream = torch.cuda.Stream(device)
+
         reader = _Reader()
 
         def quantize(unit, t, data, r0):
             name = t.name if len(unit.sources) == 1 else f"{unit.name} ({t.name})"
             packed, norms = kernels[unit.target.n_levels, unit.target.group_size](data, name, r0)
-            return packed.cpu(), to_norms_dtype(norms, _TORCH_DTYPES[unit.outputs[1][1]], name=unit.name).cpu()
+            return packed, to_norms_dtype(norms, _TORCH_DTYPES[unit.outputs[1][1]], name=unit.name)
 
         def work(task):  # in a worker thread
             unit, t, _, a, b = task
@@ -843,8 +992,36 @@ class TurboQuantizer(_QuantizerBase):
                 data = reader.read(t, a, b - a)
                 out_dtype = unit.outputs[0][1]
                 return data if out_dtype == t.dtype else data.view(_TORCH_DTYPES[t.dtype]).to(_TORCH_DTYPES[out_dtype])
-            data = reader.rows(t, a, b)
-            return quantize(unit, t, data, a) if on_cpu else data
+            if on_cpu:
+                return quantize(unit, t, reader.rows(t, a, b), a)
+            pair = buffers.take()
+            try:
+                return pair, reader.rows(t, a, b, out=pair[0])
+            except BaseException:
+                buffers.give(pair)
+                raise
+
+        def on_device(unit, t, a, b, pair, rows):
+            """Quantize a slice read into host buffers: (packed, norms) in the pair's output buffer, and the
+            event after which they are there (None: already there)."""
+            if cuda:
+                with torch.cuda.stream(copy_stream):
+                    x = rows.to(device, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(copy_stream)
+                compute_stream.wait_event(copied)  # the kernels below wait for the copy, the host does not
+                x.record_stream(compute_stream)  # x's memory is reused only once they are done with it
+            else:
+                x = rows.to(device)  # on CPU the host buffer itself, which the quantizer may change: it is ours
+            packed, norms = quantize(unit, t, x, a)
+            packed_host, norms_host = _HostBuffers.results(pair[1], *result_shapes(unit, b - a))
+            packed_host.copy_(packed, non_blocking=cuda)
+            norms_host.copy_(norms, non_blocking=cuda)
+            if not cuda:
+                return packed_host, norms_host, None
+            done = torch.cuda.Event(blocking=True)
+            done.record(compute_stream)
+            return packed_host, norms_host, done
 
         total = sum(u.nbytes_in for u in todo)
         bar = tqdm(total=total, unit="B", unit_scale=True, disable=None if progress is None else not progress,
@@ -852,58 +1029,63 @@ class TurboQuantizer(_QuantizerBase):
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="turboquant-convert",
                                   initializer=torch.set_num_threads if on_cpu else None,
                                   initargs=(1,) if on_cpu else ())
+        writer = _SliceWriter(out_dir, layout, done_files, in_flight)
         ahead: deque = deque()
         it = tasks()
         shown = None
-        try:
-            for task in it:
+        closed = False
+
+        def submit() -> None:  # read the next slice, once fewer than in_flight are on their way
+            task = next(it, None)
+            if task is not None:
+                writer.reserve()
                 ahead.append((task, pool.submit(work, task)))
-                if len(ahead) >= in_flight:
-                    break
+
+        try:
+            for _ in range(in_flight):
+                submit()
             while ahead:
                 task, fut = ahead.popleft()
                 result = fut.result()
-                nxt = next(it, None)
-                if nxt is not None:
-                    ahead.append((nxt, pool.submit(work, nxt)))
                 unit, t, offset, a, b = task
                 if unit is not shown:
                     bar.set_postfix_str(unit.name, refresh=False)
                     shown = unit
                 if unit.target is None:
                     name, out_dtype, _ = unit.outputs[0]
-                    w = writer(name)
-                    if w is not None:
-                        w.write(name, a // t.itemsize * ckpt._DTYPE_BYTES[out_dtype], result)
-                    if b >= t.nbytes:
-                        finished(name)
+                    writer.put([(name, a // t.itemsize * ckpt._DTYPE_BYTES[out_dtype], result)],
+                               [name] if b >= t.nbytes else ())
                     summary.params_processed += (b - a) // t.itemsize
                     bar.update(b - a)
-                    continue
-                packed, norms = result if on_cpu else quantize(unit, t, result.to(device), a)
-                (pname, _, pshape), (nname, _, _) = unit.outputs
-                row = offset + a
-                n_groups = pshape[0] // unit.target.rows
-                wp, wn = writer(pname), writer(nname)
-                if wp is not None:
-                    wp.write(pname, row * n_groups * pshape[1], packed)
-                if wn is not None:
-                    wn.write(nname, row * n_groups * norms.element_size(), norms)
-                if t is unit.sources[-1] and b == t.rows:
-                    finished(pname)
-                    finished(nname)
-                summary.params_processed += (b - a) * t.row_width
-                bar.update((b - a) * t.row_width * t.itemsize)
+                else:
+                    ready = release = None
+                    if on_cpu:
+                        packed, norms = result
+                    else:
+                        pair, rows = result
+                        packed, norms, ready = on_device(unit, t, a, b, pair, rows)
+                        release = lambda pair=pair: buffers.give(pair)  # noqa: E731
+                    (pname, _, pshape), (nname, _, _) = unit.outputs
+                    row = offset + a
+                    n_groups = pshape[0] // unit.target.rows
+                    last = t is unit.sources[-1] and b == t.rows
+                    writer.put([(pname, row * n_groups * pshape[1], packed),
+                                (nname, row * n_groups * norms.element_size(), norms)],
+                               (pname, nname) if last else (), ready, release)
+                    summary.params_processed += (b - a) * t.row_width
+                    bar.update((b - a) * t.row_width * t.itemsize)
+                del result
+                submit()
+            writer.close()
+            closed = True
         finally:
             for _, fut in ahead:
                 fut.cancel()
             pool.shutdown(wait=True)
+            if not closed:
+                writer.abort()
             reader.close()
-            for w in writers.values():
-                w.abandon()
             bar.close()
-        if writers:  # pragma: no cover - a layout bug
-            raise RuntimeError(f"shards left unfinished: {sorted(writers)}")
 
     def _write_side_files(self, out_dir, cfg: TurboQuantConfig, layout, summary, keep_dtype) -> None:
         if len(layout) > 1:
