@@ -6,12 +6,16 @@ Writes a bf16 checkpoint with real layer shapes (hidden 2048, intermediate 5632,
 1. read: every source byte read with plain positioned reads (what the converter does; the page cache as it is,
    or cold after --drop-caches when the machine allows it);
 2. quantization throughput from tensors already on the device (a layer's weights, several times over);
-3. the whole conversion (read, quantize, write shards, side files, card), in params per second;
+3. the whole conversion (plan, read, quantize, write and sync the shards, side files, card), in params per
+   second, after a first plan that imports transformers' modeling code once a process (timed apart);
 4. on CPU, when `turboquant-plus-vllm` is installed, the peer writer `save_tq3_checkpoint` on the same
-   checkpoint in the same run, and the ratio.
+   checkpoint in the same run, and the ratio;
+5. with --verify, that the device writes the CPU's bytes: a one-layer checkpoint converted on the CPU and on the
+   device (in one slice a tensor, and in many small slices under a memory budget; the chosen bits and ternary),
+   every output file compared byte for byte. A difference fails the run (exit code 1).
 
-    python benchmarks/convert_speed.py --layers 8                     # CPU, with the peer writer
-    python benchmarks/convert_speed.py --layers 80 --device cuda      # H200: 7.3 GB of bf16
+    python benchmarks/convert_speed.py --layers 8                                        # CPU, with the peer writer
+    python benchmarks/convert_speed.py --layers 40 --device cuda --drop-caches --verify  # H200: 3.8 GB of bf16
 
 Prints a Markdown row per measurement and, with --json FILE, writes them as JSON.
 """
@@ -192,6 +196,58 @@ def measure_quantize_on_device(device: torch.device, bits: int, group_size: int,
     return time.perf_counter() - start, repeats * sum(w.numel() for w in weights)
 
 
+def _tensor_differences(a: str, b: str) -> str:
+    """What differs between two safetensors files: "(tensor: share of elements that differ, by how much; ...)"."""
+    from safetensors.torch import load_file
+
+    if not (a.endswith(".safetensors") and os.path.isfile(a) and os.path.isfile(b)):
+        return ""
+    x, y = load_file(a), load_file(b)
+    if x.keys() != y.keys():
+        return f" (tensors {sorted(set(x) ^ set(y))} in one only)"
+    out = []
+    for k in sorted(x):
+        if x[k].shape != y[k].shape or x[k].dtype != y[k].dtype:
+            out.append(f"{k}: {x[k].dtype} {list(x[k].shape)} vs {y[k].dtype} {list(y[k].shape)}")
+        elif not torch.equal(x[k], y[k]):
+            diff = x[k] != y[k]
+            largest = (x[k].double() - y[k].double()).abs().max().item() if x[k].is_floating_point() else None
+            out.append(f"{k}: {diff.double().mean().item():.2e} of elements differ"
+                       + (f", by at most {largest:.3g}" if largest is not None else ""))
+    more = f"; and {len(out) - 3} more tensors" if len(out) > 3 else ""
+    return " (" + "; ".join(out[:3]) + more + ")"
+
+
+def verify_against_cpu(work: str, device: torch.device, bits, group_size: int) -> list[str]:
+    """Convert a one-layer checkpoint (vocabulary 4000) on the CPU and on `device`, in one slice a tensor and in
+    many small slices (a --max-memory of the largest tensor), with `bits` and ternary: the files that differ
+    from the CPU's, as "config: file" (empty: the same bytes)."""
+    from turboquant_hf import TurboQuantConfig
+    from turboquant_hf.converter import TurboQuantizer
+
+    src = os.path.join(work, "verify-src")
+    meta = write_synthetic_llama(src, 1, vocab=4000)
+    converter = TurboQuantizer.from_pretrained(src)
+    differ = []
+    for b in dict.fromkeys([bits, 1.58]):
+        cfg = TurboQuantConfig(bits=b, group_size=group_size)
+        ref = os.path.join(work, f"verify-cpu-{b}")
+        converter.quantize(ref, quantization_config=cfg, device="cpu", progress=False)
+        for how, budget in (("whole", None), ("budget", meta["largest_tensor_bytes"])):
+            out = os.path.join(work, f"verify-{device.type}-{b}-{how}")
+            converter.quantize(out, quantization_config=cfg, device=str(device), max_memory=budget, progress=False)
+            names = sorted(f for f in set(os.listdir(ref)) | set(os.listdir(out))
+                           if f not in ("README.md", "turboquant_build.json"))
+            for f in names:
+                a, c = os.path.join(ref, f), os.path.join(out, f)
+                if not (os.path.isfile(a) and os.path.isfile(c) and open(a, "rb").read() == open(c, "rb").read()):
+                    differ.append(f"{b} bits, {how}: {f}{_tensor_differences(a, c)}")
+            shutil.rmtree(out)
+        shutil.rmtree(ref)
+    shutil.rmtree(src)
+    return differ
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -226,6 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="skip the peer writer even when it is installed")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before the read and conversion "
                                                                "(needs root; noted when it fails)")
+    ap.add_argument("--verify", action="store_true", help="check that the device writes the CPU's bytes on a "
+                                                          "one-layer checkpoint (fails the run if not)")
     ap.add_argument("--json", help="write the results to this file")
     args = ap.parse_args(argv)
 
@@ -262,6 +320,13 @@ def main(argv=None) -> int:
         rows.append((f"quantize on {device.type}, tensors already there", q_s, q_params / q_s, "params/s"))
 
         cfg = TurboQuantConfig(bits=args.bits, group_size=args.group_size)
+        # once a process, whatever the checkpoint: importing transformers' modeling code for the architecture
+        # (torch._dynamo and the rest) to plan on the meta device; shown apart, not in the conversion's time
+        start = time.perf_counter()
+        TurboQuantizer.from_pretrained(src)._targets(cfg)
+        import_s = time.perf_counter() - start
+        rows.append(("first plan in the process (imports the model's code)", import_s, meta["params"] / import_s,
+                     "params/s"))
         out = os.path.join(work, "tq")
         shutil.rmtree(out, ignore_errors=True)
         if args.drop_caches:
@@ -288,6 +353,11 @@ def main(argv=None) -> int:
                 peer = time.perf_counter() - start
                 rows.append(("whole conversion (peer save_tq3_checkpoint)", peer, meta["params"] / peer, "params/s"))
                 info["speedup_over_peer"] = peer / conv_s
+
+        if args.verify:
+            start = time.perf_counter()
+            info["verify_differs"] = verify_against_cpu(work, device, args.bits, args.group_size)
+            print(f"verify: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -305,10 +375,15 @@ def main(argv=None) -> int:
     if "speedup_over_peer" in info:
         print(f"\nturboquant-hf is {info['speedup_over_peer']:.1f}x the peer writer's speed on this checkpoint")
     print(f"whole conversion / read time: {info['conversion_over_read']:.2f}")
+    if "verify_differs" in info:
+        differ = info["verify_differs"]
+        print(f"verify: {device.type} output differs from the CPU's in {', '.join(differ)}" if differ else
+              f"verify: the {device.type} output is byte for byte the CPU's (one layer; {args.bits} bits and "
+              "ternary; one slice a tensor and many small slices)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(info, f, indent=2)
-    return 0
+    return 1 if info.get("verify_differs") else 0
 
 
 if __name__ == "__main__":
