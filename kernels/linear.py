@@ -548,7 +548,7 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
 
 
 # ---------------------------------------------------------------------------
-# 2a'. LUT GEMV: codebook lookups with byte permutes (2- and 3-bit, M <= LUT_MAX_M)
+# 2a'. LUT GEMV: codebook lookups with byte permutes (2-, 3- and 4-bit, M <= LUT_MAX_M)
 # ---------------------------------------------------------------------------
 #
 # A codebook of up to 8 entries fits in four 32-bit registers as byte tables: the low bytes of the
@@ -582,33 +582,48 @@ def _pattern(c):
 
 @triton.jit
 def _byte_tables(cb_ptr, NLEV: tl.constexpr):
-    """The codebook (NLEV <= 8 entries) as four uint32 byte tables: low bytes of entries 0-3, 4-7,
-    then high bytes of entries 0-3, 4-7 (missing entries are zero)."""
+    """The codebook (NLEV <= 16 entries) as eight uint32 byte tables: low bytes of entries 0-3, 4-7, high
+    bytes of entries 0-3, 4-7, then the same for entries 8-15 (missing entries are zero)."""
     t0 = _pattern(tl.load(cb_ptr).to(tl.float32))
     t1 = t0 & 0
     t2 = t0 >> 8
     t3 = t1
+    t4 = t1
+    t5 = t1
+    t6 = t1
+    t7 = t1
     t0 = t0 & 0xFF
-    for i in tl.static_range(1, 8):
+    for i in tl.static_range(1, 16):
         if i < NLEV:
             p = _pattern(tl.load(cb_ptr + i).to(tl.float32))
+            lo = (p & 0xFF) << (8 * (i % 4))
+            hi = (p >> 8) << (8 * (i % 4))
             if i < 4:
-                t0 = t0 | ((p & 0xFF) << (8 * i))
-                t2 = t2 | ((p >> 8) << (8 * i))
+                t0 = t0 | lo
+                t2 = t2 | hi
+            elif i < 8:
+                t1 = t1 | lo
+                t3 = t3 | hi
+            elif i < 12:
+                t4 = t4 | lo
+                t6 = t6 | hi
             else:
-                t1 = t1 | ((p & 0xFF) << (8 * (i - 4)))
-                t3 = t3 | ((p >> 8) << (8 * (i - 4)))
-    return t0, t1, t2, t3
+                t5 = t5 | lo
+                t7 = t7 | hi
+    return t0, t1, t2, t3, t4, t5, t6, t7
 
 
 @triton.jit
 def _prmt(a, b, sel):
-    """PTX `prmt.b32` (default mode, selector nibbles < 8), written out for the interpreter."""
+    """PTX `prmt.b32` in its default mode, written out for the interpreter: selector nibble q picks byte
+    `n & 7` of the pair (a, b) for output byte q, or with bit 3 set replicates that byte's top bit."""
     out = sel & 0
     for q in tl.static_range(4):
-        n = (sel >> (4 * q)) & 7
-        src = tl.where(n < 4, a, b)
-        out = out | (((src >> ((n & 3) * 8)) & 0xFF) << (8 * q))
+        n = (sel >> (4 * q)) & 15
+        src = tl.where((n & 7) < 4, a, b)
+        byte = (src >> ((n & 3) * 8)) & 0xFF
+        byte = tl.where(n >= 8, tl.where(byte >= 128, byte * 0 + 0xFF, byte * 0), byte)
+        out = out | (byte << (8 * q))
     return out
 
 
@@ -630,24 +645,73 @@ prmt.b32 $7, l, h, 0x7373;
 }""")
 
 
+# 16 entries: two 8-entry lookups on the low three bits of every nibble, and a byte mask from the
+# nibbles' top bits (the permute's sign-replicate mode: `d << 4` and `d` put bit 3 of nibble q at the top
+# of a byte) choosing between them with one `lop3` for the low and one for the high bytes.
+_LUT16_ASM = tl.constexpr("""{
+.reg .b32 s, a, m, l, h, x, y;
+and.b32 s, $8, 0x77777777;
+shl.b32 a, $8, 4;
+prmt.b32 l, $9, $10, s;
+prmt.b32 x, $13, $14, s;
+prmt.b32 h, $11, $12, s;
+prmt.b32 y, $15, $16, s;
+prmt.b32 m, a, $8, 0xD9C8;
+lop3.b32 l, l, x, m, 0xD8;
+lop3.b32 h, h, y, m, 0xD8;
+prmt.b32 $0, l, h, 0x4040;
+prmt.b32 $1, l, h, 0x5151;
+prmt.b32 $2, l, h, 0x6262;
+prmt.b32 $3, l, h, 0x7373;
+shr.b32 s, s, 16;
+prmt.b32 l, $9, $10, s;
+prmt.b32 x, $13, $14, s;
+prmt.b32 h, $11, $12, s;
+prmt.b32 y, $15, $16, s;
+prmt.b32 m, a, $8, 0xFBEA;
+lop3.b32 l, l, x, m, 0xD8;
+lop3.b32 h, h, y, m, 0xD8;
+prmt.b32 $4, l, h, 0x4040;
+prmt.b32 $5, l, h, 0x5151;
+prmt.b32 $6, l, h, 0x6262;
+prmt.b32 $7, l, h, 0x7373;
+}""")
+
+
 @triton.jit
-def _lut8(d, t0, t1, t2, t3, USE_ASM: tl.constexpr):
-    """Eight float32 codebook values from eight 3-bit indices held as the nibbles of uint32 `d`."""
-    if USE_ASM:
+def _lut8(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.constexpr):
+    """Eight float32 codebook values from eight indices held as the nibbles of uint32 `d` (3-bit indices
+    for codebooks of up to 8 entries, 4-bit for 16)."""
+    if USE_ASM and NLEV == 16:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _LUT16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [d, t0, t1, t2, t3, t4, t5, t6, t7],
+            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    elif USE_ASM:
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
             _LUT8_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [t0, t1, t2, t3, d],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
-            is_pure=True, pack=1)
+            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
     else:
-        lo = _prmt(t0, t1, d)
-        hi = _prmt(t2, t3, d)
+        s = d & 0x77777777
+        if NLEV == 16:
+            a = d << 4
+            m = _prmt(a, d, 0xD9C8)
+            lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
+            hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
+        else:
+            lo = _prmt(t0, t1, s)
+            hi = _prmt(t2, t3, s)
         v0 = _prmt(lo, hi, 0x4040).to(tl.float32, bitcast=True)
         v1 = _prmt(lo, hi, 0x5151).to(tl.float32, bitcast=True)
         v2 = _prmt(lo, hi, 0x6262).to(tl.float32, bitcast=True)
         v3 = _prmt(lo, hi, 0x7373).to(tl.float32, bitcast=True)
-        s = d >> 16
-        lo = _prmt(t0, t1, s)
-        hi = _prmt(t2, t3, s)
+        s = s >> 16
+        if NLEV == 16:
+            m = _prmt(a, d, 0xFBEA)
+            lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
+            hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
+        else:
+            lo = _prmt(t0, t1, s)
+            hi = _prmt(t2, t3, s)
         v4 = _prmt(lo, hi, 0x4040).to(tl.float32, bitcast=True)
         v5 = _prmt(lo, hi, 0x5151).to(tl.float32, bitcast=True)
         v6 = _prmt(lo, hi, 0x6262).to(tl.float32, bitcast=True)
@@ -696,7 +760,9 @@ def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.co
     already sit in nibbles: 3-bit units hold indices 8p..8p+7 in the low three bits of word p's
     nibbles and indices 24..31 in their top bits (bit p of index 24+n in nibble n of word p); 2-bit
     units hold indices 0-7 in the low two bits of each nibble and 8-15 in the high two."""
-    if not TUNED:
+    if NLEV == 16:
+        d = w0  # (4-bit indices are nibbles already)
+    elif not TUNED:
         d = _nibbles(_chunk(w0, w1, w2, CH, NLEV), NLEV)
     elif NLEV == 8:
         if CH == 0:
@@ -725,13 +791,13 @@ def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, st
     EXPERTS > 0: the weight is EXPERTS stacked matrices of N rows, and output row p (BM == 1) is matrix
     `idx[p]` times activation row `p // X_DIV` (routed (token, slot) pairs); an index outside
     [0, EXPERTS) gives a zero row. Only the routed matrices are read."""
-    PER: tl.constexpr = 32 if NLEV == 8 else 16
+    PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     NUT: tl.constexpr = NG * UPG
     EVEN_U: tl.constexpr = NUT % BU == 0
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    t0, t1, t2, t3 = _byte_tables(cb_ptr, NLEV)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV)
     rn = pid_n * BN + tl.arange(0, BN)
     rl = tl.minimum(rn, N - 1)  # clamped rows: loads stay in bounds, their sums are not stored
     if EXPERTS > 0:
@@ -763,7 +829,7 @@ def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, st
         part = tl.zeros([BM, BN, BU], dtype=tl.float32)
         for ch in tl.static_range(PER // 8):
             d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, USE_ASM)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
             xp = xrows + (8 * ch) * NUT + uu[None, :]  # [BM, BU]
             part += v0[None, :, :] * tl.load(xp, mask=xm, other=0.0)[:, None, :]
             part += v1[None, :, :] * tl.load(xp + NUT, mask=xm, other=0.0)[:, None, :]
@@ -788,13 +854,13 @@ def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stri
                       USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr):
     """`_gemv_lut_kernel` for one activation row per program, on 2-D `[BN, BU]` tiles (the 3-D tiles of
     the general kernel cost this case a third of its speed on an H200)."""
-    PER: tl.constexpr = 32 if NLEV == 8 else 16
+    PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     NUT: tl.constexpr = NG * UPG
     EVEN_U: tl.constexpr = NUT % BU == 0
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
-    t0, t1, t2, t3 = _byte_tables(cb_ptr, NLEV)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV)
     rn = pid_n * BN + tl.arange(0, BN)
     rl = tl.minimum(rn, N - 1)  # clamped rows: loads stay in bounds, their sums are not stored
     if EXPERTS > 0:
@@ -822,7 +888,7 @@ def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stri
         part = tl.zeros([BN, BU], dtype=tl.float32)
         for ch in tl.static_range(PER // 8):
             d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, USE_ASM)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
             xp = xrow + (8 * ch) * NUT + uu
             if EVEN_U:
                 part += v0 * tl.load(xp)[None, :]
@@ -856,7 +922,7 @@ LUT_MAX_M = 4
 def lut_unit(n_levels: int, group_size: int | None = None) -> int:
     """Indices per unit of the LUT GEMV (0: that codebook size, or a group smaller than a unit, does not
     use it)."""
-    unit = {8: 32, 4: 16}.get(n_levels, 0)
+    unit = {16: 8, 8: 32, 4: 16}.get(n_levels, 0)
     return 0 if group_size is not None and unit and group_size % unit else unit
 
 
@@ -866,7 +932,7 @@ def _lut_config(n: int, nut: int, m: int = 1, tuned: bool = False) -> tuple:
     thread, BM activation rows per program (and optionally a register cap). The runtime-layout choices at
     M = 1 come from a sweep on an H200 (2- and 3-bit, the benchmark shapes): more warps for short rows
     and few rows, fewer for many."""
-    if tuned and m <= 1:
+    if tuned and m <= 1 and nut >= 64:
         if n >= 16384:
             return 8, 4, 1
         if n <= 2048:
@@ -900,10 +966,10 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
         n, ng = norms.shape
     per = lut_unit(n_levels)
     if not per:
-        raise ValueError(f"the LUT GEMV serves 4- and 8-entry codebooks, not {n_levels}")
+        raise ValueError(f"the LUT GEMV serves 4-, 8- and 16-entry codebooks, not {n_levels}")
     upg = group_size // per
     nut = ng * upg
-    cfg = tuple(config or _lut_config(n, nut, 1 if experts else m, _tuned(packed)))
+    cfg = tuple(config or _lut_config(n, nut, 1 if experts else m, _tuned(packed) or n_levels == 16))
     bn, warps, bm, *extra = cfg if len(cfg) >= 3 else (*cfg, 1)
     opts = {"maxnreg": extra[0]} if extra and extra[0] else {}
     if experts:

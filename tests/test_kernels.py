@@ -151,7 +151,7 @@ def test_linear_op_paths(L, bits, dtype):
         assert _rel(y, ref) < tol, (lead, _rel(y, ref))
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("g", [64, 128])
 def test_lut_gemv_matches_reference(L, bits, g):
     """The byte-permute LUT GEMV (2- and 3-bit, M <= 4): default configs for M = 1 and 3, and configs
@@ -181,10 +181,14 @@ def test_lut_gemv_matches_reference(L, bits, g):
 
 
 def test_lut_codebook_patterns(L):
-    """The 16-bit patterns P stand for the codebook entries with float32((P << 16) | P) within 2^-8."""
-    for nl in (4, 8):
-        for g in (64, 128):
-            cb = fmt.codebook(nl, g)
+    """The 16-bit patterns P stand for the codebook entries with float32((P << 16) | P) within 2^-8, for the
+    format's codebooks and for arbitrary ones (turboquant-mlx modules carry their own; 16 entries take
+    two 8-entry lookups and a mask from the indices' top bits)."""
+    gen = torch.Generator().manual_seed(4)
+    for nl in (4, 8, 16):
+        for g in (64, 128, "random"):
+            cb = fmt.codebook(nl, g) if g != "random" else torch.randn(nl, generator=gen) * 3
+            g = 64 if g == "random" else g
             # decode every index once through the (emulated) permutes: one row of one group
             per = L.lut_unit(nl)
             idx = torch.arange(g) % nl
