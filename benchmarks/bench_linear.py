@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import triton
-from turboquant_hf import codec, ops
+from turboquant_hf import codec, layout, ops
 from turboquant_hf import format as fmt
 from turboquant_hf.kernels import linear as L
 
@@ -123,6 +123,10 @@ class Case:
         self.k, self.n, self.bits, self.g = k, n, bits, g
         self.packed, self.norms = codec.quantize_weight(w, bits, g)
         self.nl = fmt.levels_for_bits(bits)
+        # ours runs on what TurboQuantLinear holds on a GPU: the runtime layout where the tier has one
+        self.ours = (layout.to_runtime(self.packed, self.nl, g, self.norms.shape[1])
+                     if layout.supports(self.nl, g) else self.packed)
+        self.layout = "runtime" if layout.is_runtime(self.ours) else "published"
         self.cb = fmt.codebook(self.nl, g, DEV)
         self.s1, self.s2 = fmt.signs(g, DEV)
         self.w16 = w.to(torch.bfloat16)
@@ -130,10 +134,12 @@ class Case:
         self.qbytes = self.packed.numel() + self.norms.numel() * 4
         self.bbytes = self.w16.numel() * 2
 
-    def buffers(self, m: int):
+    def buffers(self, m: int, published: bool = False):
+        """Copies of (packed, norms) for ours (or, `published`, the checkpoint bytes the peer reads) and of the
+        bf16 weight."""
         nq = n_buffers(self.qbytes, m)
         nb = n_buffers(self.bbytes, m)
-        q = [(self.packed.clone(), self.norms.clone()) for _ in range(nq)]
+        q = [((self.packed if published else self.ours).clone(), self.norms.clone()) for _ in range(nq)]
         b = [self.w16.clone() for _ in range(nb)]
         return q, b
 
@@ -311,14 +317,16 @@ def bench_case(case: Case, m: int, tol: float = 1e-2, peer: bool = True) -> dict
     e_b = rel_err(bout[0], ref)
     del bbufs, outs, bout
     torch.cuda.empty_cache()
-    if peer:  # the same buffer copies (same bytes) ours was timed on
+    if peer:  # copies of the same weights in the published layout (the peer reads tq3_native bytes)
+        del qbufs
+        qbufs, _ = case.buffers(m, published=True)
         prow = bench_peer(case, m, x, ref, qbufs, graph, t_ours, tol)
     else:
         prow = dict(us_peer=None, ours_vs_peer=None, gbps_peer=None, err_peer=None, peer_kernel=None,
                     peer_note="skipped (--no-peer)")
     del qbufs
     torch.cuda.empty_cache()
-    return dict(K=case.k, N=case.n, bits=str(case.bits), G=case.g, M=m, us_bf16=t_bf16, us_ours=t_ours,
+    return dict(K=case.k, N=case.n, bits=str(case.bits), G=case.g, M=m, layout=case.layout, us_bf16=t_bf16, us_ours=t_ours,
                 ratio=t_bf16 / t_ours, gbps_ours=case.qbytes / t_ours / 1e3, gbps_bf16=case.bbytes / t_bf16 / 1e3,
                 err_ours=err, err_bf16_vs_quantized=e_b, **prow)
 
@@ -442,7 +450,10 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
            "- method: same process, same shapes; weights random normal, G=128; several copies of each weight used "
            "in turn so L2 (60 MB) does not serve them; M <= 16 timed as CUDA-graph replays (one call per buffer; "
            "ours is 2 kernels: rotate + GEMV), M = 2048 eager with CUDA events; median of 30; every output checked "
-           "against the float32 torch reference before and after timing (rel. error column).",
+           "against the float32 torch reference before and after timing (rel. error column). Ours reads the packed "
+           "indices in the layout TurboQuantLinear holds on a GPU (2- and 3-bit: the runtime layout, "
+           "`turboquant_hf.layout`, same bytes rearranged; 4-bit and ternary: the published bytes); the peer "
+           "always gets the published bytes.",
            "- ratio = bf16 time / ours (> 1: ours faster). GB/s counts packed bytes + float32 norms (ours) and the "
            "bf16 weight (cuBLAS); the measured copy ceiling on this card is about 4300 GB/s.",
            f"- peer: {env.get('peer', 'n/a')}, its Triton kernels only (no vLLM), fed the same packed/norms "
@@ -451,14 +462,15 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
            "a float32 cast, a float32 rotation matmul (cuBLAS) and one Triton GEMM, autotuned afresh for every "
            "row). ours vs peer = peer time / ours (> 1: ours faster); n/a: the peer did not run (reasons below).",
            "",
-           "| shape (in x out) | bits | M | bf16 us | ours us | peer us | ratio | ours vs peer | ours GB/s | "
+           "| shape (in x out) | bits | layout | M | bf16 us | ours us | peer us | ratio | ours vs peer | ours GB/s | "
            "bf16 GB/s | rel. error | peer rel. error |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     label = {(k, n): lab for lab, k, n in SHAPES}
     notes = []
     for r in rows:
         bits = "ternary" if r["bits"] == "1.58" else r["bits"]
-        out.append(f"| {label[(r['K'], r['N'])]} | {bits} | {r['M']} | {r['us_bf16']:.1f} | {r['us_ours']:.1f} | "
+        out.append(f"| {label[(r['K'], r['N'])]} | {bits} | {r.get('layout', 'published')} | {r['M']} | "
+                   f"{r['us_bf16']:.1f} | {r['us_ours']:.1f} | "
                    f"{_fmt(r.get('us_peer'), '.1f')} | {r['ratio']:.2f} | {_fmt(r.get('ours_vs_peer'), '.2f')} | "
                    f"{r['gbps_ours']:.0f} | {r['gbps_bf16']:.0f} | {r['err_ours']:.1e} | "
                    f"{_fmt(r.get('err_peer'), '.1e')} |")
