@@ -46,6 +46,20 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Hopper and later; Triton >= 3.5)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
 # Largest M served by the tensor-core GEMV; above it: dequantize + cuBLAS.
 DOT_MAX_M = 16
 # Largest M served by the FMA GEMV for 16-bit activations (float32 always uses it up to DOT_MAX_M).
@@ -340,7 +354,9 @@ def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr, TUNED: tl.constexpr, 
 @triton.jit
 def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, M, K, stride_xm, stride_om, scale,
                    G: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, EXACT16: tl.constexpr,
-                   PER_T: tl.constexpr, NUT: tl.constexpr):
+                   PER_T: tl.constexpr, NUT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the GEMV that reads this output may start its prologue now (it waits for this grid's end)
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -395,7 +411,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     grid = (triton.cdiv(m, bm), ng, g // bc)
     _rotate_kernel[grid](x2, signs1, signs2, out, m, k, x2.stride(0), out.stride(0), 1.0 / math.sqrt(g),
                          G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit, NUT=(ng * g) // unit if unit else 0,
-                         num_warps=4)
+                         PDL=_pdl(x2.device), num_warps=4)
     return out
 
 
@@ -784,7 +800,7 @@ def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.co
 def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, stride_xm, stride_om,
                      NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
                      BM: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr,
-                     TUNED: tl.constexpr):
+                     TUNED: tl.constexpr, PDL: tl.constexpr):
     """One program per BN weight rows x BM activation rows: one unit per lane, BN rows per thread; every
     index is decoded once and multiplied into the BM activation rows.
 
@@ -814,6 +830,8 @@ def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, st
     ru = tl.arange(0, BU)
     acc = tl.zeros([BM, BN, BU], dtype=tl.float32)
     xrows = xt_ptr + rm[:, None] * stride_xm  # [BM, 1]
+    if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
+        gdc_wait()
     for u0 in tl.range(0, NUT, BU):
         uu = u0 + ru
         unit_off = rl[:, None] * NUT + uu[None, :]
@@ -851,7 +869,7 @@ def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, st
 @triton.jit
 def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stride_xm, stride_om,
                       NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-                      USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr):
+                      USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr, PDL: tl.constexpr):
     """`_gemv_lut_kernel` for one activation row per program, on 2-D `[BN, BU]` tiles (the 3-D tiles of
     the general kernel cost this case a third of its speed on an H200)."""
     PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
@@ -874,6 +892,8 @@ def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stri
         xrow = xt_ptr + m * stride_xm
     ru = tl.arange(0, BU)
     acc = tl.zeros([BN, BU], dtype=tl.float32)
+    if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
+        gdc_wait()
     for u0 in tl.range(0, NUT, BU):
         uu = u0 + ru
         unit_off = rl[:, None] * NUT + uu[None, :]
@@ -972,6 +992,9 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
     cfg = tuple(config or _lut_config(n, nut, 1 if experts else m, _tuned(packed) or n_levels == 16))
     bn, warps, bm, *extra = cfg if len(cfg) >= 3 else (*cfg, 1)
     opts = {"maxnreg": extra[0]} if extra and extra[0] else {}
+    pdl = _pdl(x_t.device)
+    if pdl:
+        opts["launch_pdl"] = True
     if experts:
         bm = 1
     bu = min(32 * warps, triton.next_power_of_2(nut))
@@ -984,13 +1007,13 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
         _gemv_lut1_kernel[(triton.cdiv(n, bn), m)](
             x_t, pk, norms, codebook, out, idx, n, x_t.stride(0), out.stride(0), NG=ng, NLEV=n_levels, UPG=upg,
             BN=bn, BU=bu, USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed),
-            num_warps=warps, **opts)
+            PDL=pdl, num_warps=warps, **opts)
         return out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _gemv_lut_kernel[grid](x_t, pk, norms, codebook, out, idx, m, n, x_t.stride(0), out.stride(0),
                            NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm,
                            USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed),
-                           num_warps=warps, **opts)
+                           PDL=pdl, num_warps=warps, **opts)
     return out
 
 
@@ -1122,6 +1145,24 @@ def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torc
 # ---------------------------------------------------------------------------
 # the op
 # ---------------------------------------------------------------------------
+
+_PDL_DEVICES: dict = {}
+
+
+def _pdl(device: torch.device) -> bool:
+    """Whether the rotation and the LUT GEMV after it use programmatic dependent launch on `device`: the GEMV's
+    launch and prologue overlap the rotation's run (CUDA, compute capability >= 9.0, a Triton with the
+    intrinsics, not the interpreter; `TURBOQUANT_PDL=0` turns it off)."""
+    if device.type != "cuda" or not _HAS_GDC or _interpreting():
+        return False
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _PDL_DEVICES:
+        import os
+
+        _PDL_DEVICES[key] = (torch.cuda.get_device_capability(key)[0] >= 9
+                             and os.environ.get("TURBOQUANT_PDL", "1") != "0")
+    return _PDL_DEVICES[key]
+
 
 def _interpreting() -> bool:
     """True when this module's kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
