@@ -946,13 +946,14 @@ def lut_unit(n_levels: int, group_size: int | None = None) -> int:
     return 0 if group_size is not None and unit and group_size % unit else unit
 
 
-def _lut_config(n: int, nut: int, m: int = 1, tuned: bool = False) -> tuple:
+def _lut_config(n: int, nut: int, m: int = 1, nibble_ready: bool = False) -> tuple:
     """(BN, num_warps, BM) for the LUT GEMV, from the weight shape (rows n, units per row nut), the
-    activation-row bucket (1, 2, 4, 8, 16) and the layout: one unit per lane, BN weight rows per
+    activation-row bucket (1, 2, 4, 8, 16) and whether the indices sit in nibbles already (the runtime
+    layout, and 4-bit in any layout): one unit per lane, BN weight rows per
     thread, BM activation rows per program (and optionally a register cap). The runtime-layout choices at
     M = 1 come from a sweep on an H200 (2- and 3-bit, the benchmark shapes): more warps for short rows
     and few rows, fewer for many."""
-    if tuned and m <= 1 and nut >= 64:
+    if nibble_ready and m <= 1 and nut >= 64:
         if n >= 16384:
             return 8, 4, 1
         if n <= 2048:

@@ -22,7 +22,7 @@ def test_round_trip_and_bit_positions(n_levels, g):
     assert layout.published(packed, n_levels, g, ng) is packed
 
     # every index of every row, read back from the documented positions
-    per = layout.UNITS[n_levels][0]
+    per = layout.UNITS[n_levels]
     nut = ng * g // per
     words = rt.view(rows, -1).long() & 0xFFFFFFFF
     want = idx.view(rows, nut, per)

@@ -24,15 +24,15 @@ import torch
 
 from . import codec
 
-# codebook size -> (indices per unit, words per unit)
-UNITS = {4: (16, 1), 8: (32, 3)}
+# codebook size -> indices per unit (one word at 2 bits, three at 3 bits)
+UNITS = {4: 16, 8: 32}
 
 _CHUNK_INDICES = 1 << 24  # indices converted at a time (bounds the temporaries)
 
 
 def supports(n_levels: int, group_size: int) -> bool:
     """Whether weights of this codebook size and group size have a runtime layout."""
-    return n_levels in UNITS and group_size % UNITS[n_levels][0] == 0
+    return n_levels in UNITS and group_size % UNITS[n_levels] == 0
 
 
 def is_runtime(packed: torch.Tensor) -> bool:
@@ -58,15 +58,14 @@ def to_runtime(packed: torch.Tensor, n_levels: int, group_size: int, n_groups: i
         raise ValueError(f"no runtime layout for {n_levels}-entry codebooks with group size {group_size}")
     if packed.dtype != torch.uint8:
         raise TypeError(f"expected published uint8 packed indices, got {packed.dtype}")
-    per = UNITS[n_levels][0]
+    per = UNITS[n_levels]
+    sh = torch.arange(8, device=packed.device) * 4  # the nibbles' bit offsets
     out = []
     for chunk, rows in _row_chunks(packed, n_groups, group_size):
         idx = codec.unpack_indices(chunk, n_levels, group_size).view(rows, -1, per)  # (rows, units, per)
         if n_levels == 4:
-            sh = torch.arange(8, device=idx.device) * 4
             words = ((idx[..., :8] << sh) | (idx[..., 8:] << (sh + 2))).sum(-1)  # (rows, units)
         else:
-            sh = torch.arange(8, device=idx.device) * 4
             planes = []
             for p in range(3):
                 low = (idx[..., 8 * p:8 * p + 8] << sh).sum(-1)
@@ -85,10 +84,10 @@ def to_published(packed: torch.Tensor, n_levels: int, group_size: int, n_groups:
         return packed
     if not supports(n_levels, group_size) or packed.dtype != torch.int32:
         raise ValueError(f"not a runtime-layout tensor for {n_levels}-entry codebooks, group size {group_size}")
+    sh = torch.arange(8, device=packed.device) * 4
     out = []
     for chunk, rows in _row_chunks(packed, n_groups, group_size):
         words = chunk.reshape(rows, -1).to(torch.int64) & 0xFFFFFFFF
-        sh = torch.arange(8, device=words.device) * 4
         if n_levels == 4:
             w = words.unsqueeze(-1)  # (rows, units, 1)
             idx = torch.cat([(w >> sh) & 3, (w >> (sh + 2)) & 3], -1)
