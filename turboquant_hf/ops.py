@@ -1,4 +1,4 @@
-"""The TurboQuant matrix product as one torch custom op.
+"""The TurboQuant matrix product as one torch operator.
 
 `torch.ops.turboquant.linear(x, packed, norms, codebook, signs1, signs2, group_size, in_features)`
 computes `x @ W.T` for a weight stored as packed codebook indices and per-group
@@ -22,6 +22,24 @@ from . import codec, layout, rotation
 
 # Bound on the float32 weight block the reference materialises per step.
 _REFERENCE_BLOCK_ELEMENTS = 1 << 22
+
+_LIB = torch.library.Library("turboquant", "DEF")
+
+
+def _op(name: str):
+    """Define `torch.ops.turboquant.<name>` with the decorated function's signature (schema inferred from its
+    annotations), the function itself serving every device (the Triton kernels register CUDA over it).
+
+    A plain library op rather than `torch.library.custom_op`: the dispatcher calls the implementation
+    directly, where a custom op wraps every call in Python for autograd, several times the cost of a small
+    decode step. The ops have no autograd formula (inference only)."""
+
+    def define(fn):
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return define
 
 
 def rotate_activations(x: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -49,7 +67,7 @@ def codebook_matmul(
     return out
 
 
-@torch.library.custom_op("turboquant::linear", mutates_args=())
+@_op("linear")
 def turboquant_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -68,7 +86,7 @@ def turboquant_linear(
     return y.to(x.dtype).reshape(*lead, norms.shape[0])
 
 
-@turboquant_linear.register_fake
+@torch.library.register_fake("turboquant::linear")
 def _(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
     return x.new_empty(*x.shape[:-1], norms.shape[0])
 
@@ -107,7 +125,7 @@ def routed_groups(top_k_index: torch.Tensor, num_experts: int):
             start += n
 
 
-@torch.library.custom_op("turboquant::moe_experts", mutates_args=())
+@_op("moe_experts")
 def turboquant_moe_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -158,7 +176,7 @@ def turboquant_moe_experts(
     return out.to(hidden.dtype)
 
 
-@turboquant_moe_experts.register_fake
+@torch.library.register_fake("turboquant::moe_experts")
 def _(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed, down_norms,
       down_codebook, signs1, signs2, group_size, num_experts, activation):
     return torch.empty_like(hidden)
@@ -169,7 +187,7 @@ def _(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up
 # (blocks of m * 2^k), with the module's stored +-1 signs, and a per-module codebook tensor.
 
 
-@torch.library.custom_op("turboquant::hadamard_linear", mutates_args=())
+@_op("hadamard_linear")
 def turboquant_hadamard_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -186,12 +204,12 @@ def turboquant_hadamard_linear(
     return y.to(x.dtype).reshape(*lead, norms.shape[0])
 
 
-@turboquant_hadamard_linear.register_fake
+@torch.library.register_fake("turboquant::hadamard_linear")
 def _(x, packed, norms, codebook, signs, group_size, in_features):
     return x.new_empty(*x.shape[:-1], norms.shape[0])
 
 
-@torch.library.custom_op("turboquant::hadamard_moe_experts", mutates_args=())
+@_op("hadamard_moe_experts")
 def turboquant_hadamard_moe_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -240,7 +258,7 @@ def turboquant_hadamard_moe_experts(
     return out.to(hidden.dtype)
 
 
-@turboquant_hadamard_moe_experts.register_fake
+@torch.library.register_fake("turboquant::hadamard_moe_experts")
 def _(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs, up_packed, up_norms,
       up_codebook, up_signs, down_packed, down_norms, down_codebook, down_signs, num_experts, activation):
     return torch.empty_like(hidden)
