@@ -1,4 +1,5 @@
-"""The codec against the independent reference package and against Lloyd-Max theory."""
+"""The codec against the independent reference package, against Lloyd-Max theory, and its quantizer against a
+numpy float32 formulation of the same operations (bit for bit, whatever the chunking or the threads)."""
 
 import math
 
@@ -159,3 +160,147 @@ def test_rotation_is_orthogonal():
     i, j = 37, 101
     assert h[i, j].item() == (-1) ** bin(i & j).count("1")
     assert math.isclose((h @ h.T)[5, 5].item(), 128)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the quantizer's float32 arithmetic: fixed, so the bytes depend on the weight alone
+def _wide_range(rows, cols, seed):
+    """Normal values times a power of ten per row (1e-6 to 1e6) and a power of two per element (2**-8 to 2**8)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen)
+    w *= 10.0 ** (torch.rand(rows, 1, generator=gen) * 12 - 6)
+    w *= 2.0 ** torch.randint(-8, 9, (rows, cols), generator=gen).float()
+    return w
+
+
+def _numpy_quantizer(x, bits, group_size):
+    """The quantizer written afresh in numpy float32: the pairwise-tree norm, the butterfly stages h = 1, 2, 4, ...
+    on (s1 * x) / n, division by sqrt(G) and the s2 flip, searchsorted rounding, the norm over the same tree.
+    Returns (y, norms of the groups, indices, stored norms)."""
+    import numpy as np
+
+    f32 = np.float32
+    x = np.asarray(x, dtype=f32)
+    k, g = x.shape
+    s1, s2 = (s.numpy().astype(f32) for s in fmt.signs(group_size))
+    codebook = fmt.codebook(fmt.levels_for_bits(bits), group_size).numpy()
+    bounds = (codebook[:-1] + codebook[1:]) / f32(2)
+
+    def tree(s):
+        while s.shape[1] > 1:
+            w = s.shape[1] // 2
+            s = s[:, :w] + s[:, w:]
+        return s[:, 0]
+
+    n = np.sqrt(tree(x * x))
+    u = (x * s1) / np.where(n > 0, n, f32(1))[:, None]
+    h = 1
+    while h < g:
+        blocks = u.reshape(k, g // (2 * h), 2, h)
+        a, b = blocks[:, :, 0], blocks[:, :, 1]
+        u = np.stack([a + b, a - b], axis=2).reshape(k, g)
+        h *= 2
+    y = u / np.sqrt(f32(g)) * s2
+    idx = np.searchsorted(bounds, y, side="left")
+    r = np.sqrt(tree(codebook[idx] * codebook[idx]))
+    assert all(a.dtype == f32 for a in (n, u, y, r))
+    return y, n, idx, n / np.where(r > 0, r, f32(1))
+
+
+@pytest.mark.parametrize("group_size", fmt.GROUP_SIZES)
+def test_rotation_and_norms_equal_a_numpy_float32_formulation(group_size):
+    """Bit for bit, on values over twelve decades; and the rotation is D2 . H . D1 . x / (n sqrt(G))."""
+    x = _wide_range(300, group_size, group_size)
+    x[7] = 0  # an all-zero group
+    q = codec.GroupQuantizer(3, group_size)
+    y, n = q.rotate(x)
+    y_ref, n_ref, _, _ = _numpy_quantizer(x, 3, group_size)
+    assert torch.equal(n.view(torch.int32), torch.from_numpy(n_ref).view(torch.int32))
+    assert torch.equal(y.view(torch.int32), torch.from_numpy(y_ref).view(torch.int32))
+    s1, s2 = fmt.signs(group_size)
+    unit = x.double() / x.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
+    assert torch.allclose(y.double(), codec.rotate_groups(unit.float(), s1, s2).double(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("group_size", fmt.GROUP_SIZES)
+@pytest.mark.parametrize("bits", [fmt.TERNARY, 2, 3, 4])
+def test_quantizer_equals_a_numpy_float32_formulation(bits, group_size):
+    """Indices and stored norms of quantize_weight are those of the numpy formulation, bit for bit."""
+    x = _wide_range(200, 2 * group_size, 7 * group_size)
+    packed, norms = codec.quantize_weight(x, bits, group_size)
+    _, _, idx, stored = _numpy_quantizer(x.view(-1, group_size), bits, group_size)
+    n_levels = fmt.levels_for_bits(bits)
+    assert torch.equal(codec.unpack_indices(packed, n_levels, group_size), torch.from_numpy(idx))
+    assert torch.equal(norms.view(-1).view(torch.int32), torch.from_numpy(stored).view(torch.int32))
+
+
+@pytest.mark.parametrize("group_size", fmt.GROUP_SIZES)
+@pytest.mark.parametrize("bits", [fmt.TERNARY, 2, 3, 4])
+def test_quantizer_bytes_do_not_depend_on_the_chunking(bits, group_size, monkeypatch):
+    """Whole, in row slices of odd sizes through one quantizer (its buffers reused across block widths), and with
+    small chunks and blocks (groups of a row split between blocks): the same packed bytes and norms."""
+    w = _wide_range(45, 3 * group_size + group_size // 2, group_size + 3).to(torch.bfloat16)  # padded groups
+    w[4] = 0
+    packed, norms = codec.quantize_weight(w, bits, group_size)
+    q = codec.GroupQuantizer(bits, group_size)
+    for rows in (1, 3, 7, 13):
+        parts = [q(w[r:r + rows], "w", r) for r in range(0, w.shape[0], rows)]
+        assert torch.equal(torch.cat([p for p, _ in parts]), packed), rows
+        assert torch.equal(torch.cat([n for _, n in parts]), norms), rows
+    monkeypatch.setattr(codec, "_CHUNK_ELEMENTS", group_size * 11)
+    monkeypatch.setattr(codec, "_CPU_BLOCK_ELEMENTS", group_size * 5)
+    small = codec.quantize_weight(w, bits, group_size)
+    assert torch.equal(small[0], packed) and torch.equal(small[1], norms)
+
+
+def test_quantizer_bytes_do_not_depend_on_the_thread_count():
+    """One torch thread or two (every step large enough to be split between them); and one quantizer shared by
+    several Python threads at once, as the converter's workers share it (each thread has its own buffers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = _wide_range(512, 4096, 3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = codec.quantize_weight(w, 3, 128)
+        torch.set_num_threads(2)
+        two = codec.quantize_weight(w, 3, 128)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+    q = codec.GroupQuantizer(3, 128)
+    starts = list(range(0, 512, 8))
+    with ThreadPoolExecutor(4) as pool:
+        parts = list(pool.map(lambda r: q(w[r:r + 8 + r % 3], "w", r), starts))
+    for r, (p, n) in zip(starts, parts):
+        stop = min(512, r + 8 + r % 3)
+        assert torch.equal(p, one[0][r * 32:stop * 32]) and torch.equal(n, one[1][r:stop]), r
+
+
+def test_powers_of_two_scale_exactly_out_of_the_float32_range_of_squares():
+    """A group times 2**e has the same indices and its norm times 2**e exactly, also where its squares would
+    overflow (e = 70, 120) or fall below the normal range (e = -70, -110) in float32."""
+    gen = torch.Generator().manual_seed(5)
+    # magnitudes in [2**-8, 2): every value times 2**e stays a normal float32
+    x = (torch.rand(64, 256, generator=gen) + 1) * 2.0 ** torch.randint(-8, 1, (64, 256), generator=gen).float()
+    x *= torch.randint(0, 2, (64, 256), generator=gen).float() * 2 - 1
+    packed, norms = codec.quantize_weight(x, 4, 128)
+    for e in (-110, -70, -40, 40, 70, 120):
+        p, n = codec.quantize_weight(x * 2.0**e, 4, 128)
+        assert torch.equal(p, packed), e
+        assert torch.equal(n, norms * 2.0**e), e
+    huge = torch.full((2, 128), 1e36)  # squares overflow float32, the norm does not
+    deq = codec.dequantize_weight(*codec.quantize_weight(huge, 4, 128), 128, 128)
+    assert ((deq - huge).double().norm() / huge.double().norm()).item() < 0.15
+
+
+def test_nan_is_located_in_any_block(monkeypatch):
+    monkeypatch.setattr(codec, "_CPU_BLOCK_ELEMENTS", 128 * 3)
+    bad = torch.randn(40, 300, dtype=torch.bfloat16)
+    bad[29, 211] = float("-inf")
+    with pytest.raises(ValueError, match=r"w\.weight: weight contains NaN or Inf \(first at row 29, column 211\)"):
+        codec.quantize_weight(bad, 3, 128, name="w.weight")
+    big = torch.tensor([[1e300] * 128], dtype=torch.float64)  # finite, but not in float32
+    with pytest.raises(ValueError, match="row 0, column 0"):
+        codec.quantize_weight(big, 3, 128)

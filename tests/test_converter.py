@@ -240,7 +240,7 @@ def _device_path(monkeypatch):
 @pytest.fixture(scope="module")
 def float32_moe_dir(tmp_path_factory):
     """A Qwen3 MoE saved in float32 with per-expert tensors: several sources per quantized unit, and float32
-    slices that the quantizer divides in place."""
+    slices (the quantizer's float32 load path)."""
     from test_moe import qwen3_moe
 
     torch.manual_seed(0)

@@ -1,14 +1,24 @@
 """The TurboQuant codec in plain torch: rotation, Lloyd-Max rounding, packing.
 
-No transformers import. Quantization runs on whatever device the weight is
-on, always in float32. Tensor layout follows the tq3_native format: a weight
+No transformers import. Tensor layout follows the tq3_native format: a weight
 `W[..., out, in]` is flattened to `(rows, in)`, zero-padded on the right to a
 multiple of G, and split into groups of G along the input dimension.
+
+Quantization (`quantize_weight`, and the streaming converter through the same
+`GroupQuantizer`) runs on whatever device the weight is on, as a fixed
+sequence of IEEE float32 elementwise operations: group norms by a pairwise
+tree, the Walsh-Hadamard rotation by butterfly stages, rounding by counting
+codebook boundaries. No matrix product and no library reduction takes part, so
+the packed bytes and norms are the same on every device, with any number of
+threads and however the rows are split. `rotate_groups` / `unrotate_groups`
+(matrix products) serve the activations and the dequantization, which need no
+bit-exactness.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 
 import torch
@@ -129,12 +139,294 @@ def decode_values(packed: torch.Tensor, codebook: torch.Tensor, group_size: int)
 
 
 # ---------------------------------------------------------------------------
-# quantize / dequantize one weight tensor
+# the quantizer: a fixed sequence of float32 elementwise operations
 # ---------------------------------------------------------------------------
 
-# Rows per chunk keep the float32 temporaries of a large tensor to a few hundred MB.
+# Rows per chunk keep the temporaries of a large tensor to a few hundred MB.
 _CHUNK_ELEMENTS = 1 << 24
+# Weights per block of groups that the quantizer works on at once on CPU: its buffers (19 bytes a weight) stay in
+# the caches. On other devices a block holds up to _CHUNK_ELEMENTS weights.
+_CPU_BLOCK_ELEMENTS = 1 << 18
+# Groups whose sum of squares falls outside [_SMALLEST_SUM, inf) are scaled by a power of two first.
+_SMALLEST_SUM = 2.0**-100
 
+
+def _halves(g: int) -> list[int]:
+    """G/2, G/4, ..., 1: the widths of the pairwise tree's levels."""
+    return [g >> k for k in range(1, g.bit_length())]
+
+
+def _sqrt(t: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of float32 `t`, on every device.
+
+    torch's float32 sqrt on CPU is not correctly rounded (it differs from IEEE in the last bit for about one value
+    in six); the float64 square root rounded to float32 is, because the square root of a float32 value is never
+    within 2**-50 (relative) of a point halfway between two float32 values, and the float64 result is far closer.
+    """
+    return t.double().sqrt_().float()
+
+
+def _powers_of_two(e: torch.Tensor) -> torch.Tensor:
+    """2**e in float32 for integers e in [-126, 127], from the exponent bits: exact on every device."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+class GroupQuantizer:
+    """Quantizes rows of a weight to packed indices and group norms, with bytes that depend on the weight alone:
+    not on the device, the number of threads, or how the rows are split between calls.
+
+    Every step is an IEEE float32 elementwise operation (correctly rounded on CPU and CUDA alike) in a fixed
+    order; there is no matrix product and no reduction whose summation order a library or a kernel would choose.
+    For each group x of G weights (G a power of two):
+
+    1. the sum of squares by a fixed pairwise tree: the G squares, then log2(G) times the upper half added to the
+       lower half (s[j] + s[j + w], w = G/2, G/4, ..., 1); the norm n is its correctly rounded square root;
+    2. the unit vector u = (s1 * x) / n (the sign flip of D1 is exact);
+    3. the Walsh-Hadamard transform H u in log2(G) butterfly stages h = 1, 2, 4, ..., G/2: in every block of 2h
+       coordinates the pair (i, i + h) becomes (a + b, a - b);
+    4. y = (H u) / (s2 * sqrt(G)), one correctly rounded division (the sign of D2 is again exact), so that
+       y = D2 . H . D1 . x / (n sqrt(G)) up to the rounding of these steps;
+    5. the index of each coordinate: the number of codebook boundaries strictly below y
+       (= searchsorted(boundaries, y));
+    6. the stored norm n / r, where r is the square root of the same tree over the squares of the chosen
+       centroids (the rotation is orthogonal, so r is the norm of the reconstruction before scaling).
+
+    A group whose sum of squares would overflow float32 or fall below 2**-100 is first multiplied by a power of
+    two (exact), so that its indices are those of the same group at an ordinary scale and its norm the matching
+    power-of-two multiple. NaN and Inf are refused, naming the tensor, the row and the column.
+
+    The groups of a block sit one per column of `(G, groups)` buffers, so that every step (the tree's levels,
+    the butterflies, the comparisons, the packing) runs along contiguous memory; on CPU the blocks are sized for
+    the caches, and each thread keeps its buffers and their views from one call to the next.
+    """
+
+    def __init__(self, bits, group_size: int, device=None):
+        self.n_levels = fmt.levels_for_bits(bits)
+        self.group_size = g = fmt.check_group_size(group_size)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        s1, s2 = fmt.signs(g)
+        self.signs1 = s1.view(g, 1).to(self.device)
+        # s2 * sqrt(G), the float32 square root of G with the sign of D2: dividing by it is one rounding
+        self.divisor = (s2 * torch.tensor(float(g)).sqrt()).view(g, 1).to(self.device)
+        centroids = fmt.codebook(self.n_levels, g)
+        self.boundaries = ((centroids[:-1] + centroids[1:]) / 2).tolist()  # float32 values, exactly
+        # the first level of the tree over the squared centroids, looked up by pairs of indices:
+        # pair_sums[i * L + j] = c[i]**2 + c[j]**2, the float32 sum that the tree itself would compute
+        squares = centroids * centroids
+        self.pair_sums = (squares.unsqueeze(1) + squares.unsqueeze(0)).view(-1).to(self.device)
+        self.bytes_per_group = fmt.bytes_per_group(self.n_levels, g)
+        # rows of the index buffer: G, and for ternary the zero digits that complete the last byte
+        self.index_rows = self.bytes_per_group * 5 if self.n_levels == 3 else g
+        self._local = threading.local()
+
+    def __call__(self, x: torch.Tensor, name: str = "weight", first_row: int = 0, out=None):
+        """Quantize `(rows, in_features)` floating-point rows on this quantizer's device: packed uint8
+        `(rows * n_groups, bytes_per_group)` and norms float32 `(rows, n_groups)`, written into `out` (that pair
+        of tensors) when given. `name` and `first_row` (the row of `x[0]` in the whole tensor) name a NaN or
+        Inf in the error."""
+        g = self.group_size
+        rows, in_features = x.shape
+        n_groups = -(-in_features // g)
+        padded = x if n_groups * g == in_features else torch.nn.functional.pad(x, (0, n_groups * g - in_features))
+        groups = padded.reshape(-1, g)
+        total = groups.shape[0]
+        if out is None:
+            out = (torch.empty(total, self.bytes_per_group, dtype=torch.uint8, device=x.device),
+                   torch.empty(rows, n_groups, dtype=torch.float32, device=x.device))
+        packed, norms = out
+        if total:
+            block = max(1, (_CPU_BLOCK_ELEMENTS if self.device.type == "cpu" else _CHUNK_ELEMENTS) // g)
+            storage = self._storage(min(total, block))
+            flat_norms = norms.view(-1)
+            for start in range(0, total, block):
+                stop = min(total, start + block)
+                self._block(self._views(storage, stop - start), groups[start:stop], packed[start:stop],
+                            flat_norms[start:stop], (x, name, first_row))
+        return packed, norms
+
+    def rotate(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, n) for float32 groups `(k, G)`: the rotated unit vectors `(k, G)` (steps 1 to 4) and the norms
+        `(k,)`, computed as the quantizer computes them (without the scaling of out-of-range groups)."""
+        k = groups.shape[0]
+        v = self._views(self._storage(k), k)
+        n = _sqrt(self._load(v, groups))
+        v["a"].div_(torch.where(n > 0, n, 1.0))
+        return self._rotate(v).t().clone(), n.clone()
+
+    # -- buffers -------------------------------------------------------------------------------------------------
+    def _storage(self, groups: int) -> dict:
+        """Flat buffers for blocks of up to `groups` groups: this thread's own on CPU (kept), new ones elsewhere."""
+        cpu = self.device.type == "cpu"
+        cached = getattr(self._local, "storage", None) if cpu else None
+        if cached is not None and cached["groups"] >= groups:
+            return cached
+        g, dev = self.group_size, self.device
+        storage = {"groups": groups, "views": {},
+                   "a": torch.empty(g * groups, device=dev), "b": torch.empty(g * groups, device=dev),
+                   "c": torch.empty(g * groups, device=dev),
+                   "index": torch.empty(self.index_rows * groups, dtype=torch.uint8, device=dev),
+                   "gather": torch.empty(g * groups, dtype=torch.int32, device=dev),
+                   "staging": torch.empty(g * groups, dtype=torch.int16, device=dev)}
+        if cpu:
+            self._local.storage = storage
+        return storage
+
+    def _views(self, storage: dict, cols: int) -> dict:
+        """The views that the steps of a block of `cols` groups read and write, made once for each block width."""
+        views = storage["views"]
+        if cols not in views:
+            if len(views) >= 8:  # a few widths recur: full blocks, and the last block of each shape
+                views.clear()
+            g = self.group_size
+            a, b, c = (storage[k][: g * cols].view(g, cols) for k in "abc")
+            gather = storage["gather"][: g * cols]
+            half = g * cols // 2
+            v = {"a": a, "b": b, "c": c, "gather": gather,
+                 "gather_halves": (gather[:half].view(g // 2, cols), gather[half:].view(g // 2, cols)),
+                 # int32 pair indices in c, and their looked-up sums straight into the tree's first level in b
+                 "pairs": c.view(-1)[:half].view(torch.int32),
+                 "first_level": b.view(-1)[:half],
+                 "staging": storage["staging"][: g * cols].view(g, cols),
+                 "index": storage["index"][: self.index_rows * cols].view(self.index_rows, cols),
+                 # the pairwise tree, in place in b: rows [0, w) += rows [w, 2w)
+                 "tree": [(b[:w], b[w:2 * w]) for w in _halves(g)]}
+            # the butterfly stages, from a to b, then b to a, ...: the lower and upper halves of each block of 2h
+            stages, src, dst, h = [], a, b, 1
+            while h < g:
+                s, d = src.view(g // (2 * h), 2, h * cols), dst.view(g // (2 * h), 2, h * cols)
+                stages.append((s[:, 0], s[:, 1], d[:, 0], d[:, 1]))
+                src, dst, h = dst, src, 2 * h
+            v["stages"], v["rotated"], v["free"] = stages, src, dst
+            views[cols] = v
+        return views[cols]
+
+    # -- the steps -----------------------------------------------------------------------------------------------
+    def _load(self, v: dict, groups: torch.Tensor) -> torch.Tensor:
+        """Groups `(cols, G)` into `a` as s1 * x in float32, one group a column; their sums of squares `(cols,)`."""
+        a, b = v["a"], v["b"]
+        if groups.dtype == torch.float32:
+            a.copy_(groups.t())  # a blocked transposing copy
+            a.mul_(self.signs1)
+        elif groups.element_size() == 2:  # bfloat16, float16: transposed as 16-bit words, then widened
+            staging = v["staging"].view(groups.dtype)
+            staging.copy_(groups.t())
+            torch.mul(staging, self.signs1, out=a)
+        else:
+            torch.mul(groups.t(), self.signs1, out=a)
+        torch.mul(a, a, out=b)
+        return self._tree(v)
+
+    def _tree(self, v: dict, first_level: int = 0) -> torch.Tensor:
+        """The pairwise-tree sum over the rows of `b`, in place (from `first_level` on): row 0 of `b`."""
+        for lower, upper in v["tree"][first_level:]:
+            torch.add(lower, upper, out=lower)
+        return v["b"][0]
+
+    def _rotate(self, v: dict) -> torch.Tensor:
+        """The butterfly stages over the unit vectors in `a`, then the division by s2 * sqrt(G): `(G, cols)`."""
+        for lower, upper, sums, differences in v["stages"]:
+            torch.add(lower, upper, out=sums)
+            torch.sub(lower, upper, out=differences)
+        return v["rotated"].div_(self.divisor)
+
+    def _block(self, v: dict, groups, packed, norms, source) -> None:
+        sums = self._load(v, groups)
+        lo, hi = torch.aminmax(sums)
+        exponents = None
+        if not bool((lo >= _SMALLEST_SUM) & (hi < math.inf)):  # NaN fails both
+            exponents = self._scale_out_of_range(v, sums, source)
+        n = _sqrt(sums)
+        v["a"].div_(torch.where(n > 0, n, 1.0))
+        y = self._rotate(v)
+        # the index: boundaries strictly below y, counted in float32 (exact small integers)
+        count, below = v["free"], v["c"]
+        torch.gt(y, self.boundaries[0], out=count)
+        for b in self.boundaries[1:]:
+            count.add_(torch.gt(y, b, out=below))
+        gather, index = v["gather"], v["index"]
+        gather.copy_(count.view(-1))
+        index[: self.group_size].copy_(gather.view(count.shape))
+        if self.index_rows > self.group_size:
+            index[self.group_size:].zero_()
+        # the reconstruction norm: the same tree over the squared centroids, its first level by table lookup
+        lower, upper = v["gather_halves"]
+        pairs = v["pairs"]
+        torch.add(upper, lower, alpha=self.n_levels, out=pairs.view(lower.shape))
+        torch.index_select(self.pair_sums, 0, pairs, out=v["first_level"])
+        r = _sqrt(self._tree(v, first_level=1))
+        torch.div(n, torch.where(r > 0, r, 1.0), out=norms)
+        if exponents is not None:
+            half = torch.div(exponents, 2, rounding_mode="floor")
+            norms.mul_(_powers_of_two(half)).mul_(_powers_of_two(exponents - half))
+        packed.copy_(self._pack(index).t())
+
+    def _scale_out_of_range(self, v: dict, sums: torch.Tensor, source) -> torch.Tensor:
+        """Refuse NaN and Inf; multiply the groups whose sum of squares is out of range by 2**-e (e the exponent of
+        their largest magnitude, so that it lands in [0.5, 1)), in two exact steps, and sum their squares again.
+        Returns e for every group of the block (0 for the others)."""
+        a = v["a"]
+        if not bool(torch.isfinite(a).all()):
+            x, name, first_row = source
+            bad = (~torch.isfinite(x.to(torch.float32))).nonzero()[0]
+            raise ValueError(
+                f"{name}: weight contains NaN or Inf (first at row {first_row + int(bad[0])}, column {int(bad[1])}); "
+                "refusing to quantize it"
+            )
+        cols = ((sums < _SMALLEST_SUM) | (sums == math.inf)).nonzero().squeeze(1)
+        selected = a[:, cols]
+        _, e = torch.frexp(selected.abs().amax(0))  # 0 for an all-zero group: left as it is
+        half = torch.div(e, 2, rounding_mode="floor")
+        a[:, cols] = selected.mul_(_powers_of_two(-half)).mul_(_powers_of_two(half - e))
+        torch.mul(a, a, out=v["b"])
+        self._tree(v)  # sums, in place
+        exponents = torch.zeros(a.shape[1], dtype=torch.int32, device=a.device)
+        exponents[cols] = e
+        return exponents
+
+    def _pack(self, index: torch.Tensor) -> torch.Tensor:
+        """`(index_rows, cols)` uint8 indices, one group a column, to `(bytes_per_group, cols)` packed bytes: the
+        LSB-first bit stream of 2/3/4-bit indices, or five base-3 digits a byte for ternary."""
+        g, cols = self.group_size, index.shape[1]
+        if self.n_levels == 16:
+            v = index.view(g // 2, 2, cols)
+            return v[:, 0] | (v[:, 1] << 4)
+        if self.n_levels == 4:
+            v = index.view(g // 4, 4, cols)
+            out = v[:, 0] | (v[:, 1] << 2)
+            out |= v[:, 2] << 4
+            out |= v[:, 3] << 6
+            return out
+        if self.n_levels == 8:  # 8 indices, 3 bytes
+            v = index.view(g // 8, 8, cols)
+            out = torch.empty(g // 8, 3, cols, dtype=torch.uint8, device=index.device)
+            torch.bitwise_or(v[:, 0], v[:, 1] << 3, out=out[:, 0])
+            out[:, 0] |= v[:, 2] << 6
+            torch.bitwise_or(v[:, 2] >> 2, v[:, 3] << 1, out=out[:, 1])
+            out[:, 1] |= v[:, 4] << 4
+            out[:, 1] |= v[:, 5] << 7
+            torch.bitwise_or(v[:, 5] >> 1, v[:, 6] << 2, out=out[:, 2])
+            out[:, 2] |= v[:, 7] << 5
+            return out.view(-1, cols)
+        v = index.view(self.bytes_per_group, 5, cols)  # ternary, least significant digit first
+        out = v[:, 0] + v[:, 1] * 3
+        out += v[:, 2] * 9
+        out += v[:, 3] * 27
+        out += v[:, 4] * 81
+        return out
+
+
+def group_quantizer(bits, group_size: int, device=None) -> GroupQuantizer:
+    """The shared `GroupQuantizer` for these bits, group size and device."""
+    n_levels = fmt.levels_for_bits(bits)
+    key = ("quantizer", n_levels, group_size, str(torch.device(device) if device is not None else "cpu"))
+    if key not in _DEVICE_CACHE:
+        _DEVICE_CACHE[key] = GroupQuantizer(bits, group_size, device)
+    return _DEVICE_CACHE[key]
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize one weight tensor
+# ---------------------------------------------------------------------------
 
 def quantize_weight(
     weight: torch.Tensor,
@@ -144,8 +436,8 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `W[..., out, in]` to (packed uint8 `(rows*n_groups, bpg)`, norms float32 `(rows, n_groups)`).
 
-    Runs on `weight.device` in float32. Raises ValueError naming `name` if the
-    weight holds NaN or Inf.
+    Runs on `weight.device` with `GroupQuantizer`'s float32 operations, so the bytes are the same on every
+    device. Raises ValueError naming `name` if the weight holds NaN or Inf.
     """
     n_levels = fmt.levels_for_bits(bits)
     group_size = fmt.check_group_size(group_size)
@@ -158,32 +450,14 @@ def quantize_weight(
     rows = w2d.shape[0]
     n_groups = -(-in_features // group_size)
     device = weight.device
-    s1, s2 = fmt.signs(group_size, device)
-    centroids = fmt.codebook(n_levels, group_size, device)
-    bounds = (centroids[:-1] + centroids[1:]) / 2
+    quantizer = group_quantizer(bits, group_size, device)
     packed = torch.empty(rows * n_groups, fmt.bytes_per_group(n_levels, group_size), dtype=torch.uint8, device=device)
     norms = torch.empty(rows, n_groups, dtype=torch.float32, device=device)
     chunk_rows = max(1, _CHUNK_ELEMENTS // (n_groups * group_size))
     for start in range(0, rows, chunk_rows):
         stop = min(rows, start + chunk_rows)
-        block = w2d[start:stop].to(torch.float32)
-        if not torch.isfinite(block).all():
-            bad = (~torch.isfinite(block)).nonzero()[0]
-            raise ValueError(
-                f"{name}: weight contains NaN or Inf (first at row {start + int(bad[0])}, column {int(bad[1])}); "
-                "refusing to quantize it"
-            )
-        if n_groups * group_size != in_features:
-            block = torch.nn.functional.pad(block, (0, n_groups * group_size - in_features))
-        groups = block.reshape(-1, group_size)
-        n = torch.linalg.vector_norm(groups, dim=1)
-        unit = groups / torch.where(n > 0, n, torch.ones_like(n)).unsqueeze(1)
-        y = rotate_groups(unit, s1, s2)
-        idx = torch.searchsorted(bounds, y.contiguous())
-        # The rotation is orthogonal, so the reconstruction norm is the norm of the chosen centroids.
-        r = torch.linalg.vector_norm(centroids[idx], dim=1)
-        norms[start:stop] = (n / torch.where(r > 0, r, torch.ones_like(r))).view(stop - start, n_groups)
-        packed[start * n_groups : stop * n_groups] = pack_indices(idx, n_levels)
+        quantizer(w2d[start:stop], name, start,
+                  out=(packed[start * n_groups : stop * n_groups], norms[start:stop]))
     return packed, norms
 
 

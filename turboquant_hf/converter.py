@@ -73,10 +73,10 @@ _DTYPE_RANK = {d: i for i, d in enumerate(["BOOL", "U8", "I8", "F8_E5M2", "F8_E4
 # names of the scale tensors that quantized (FP8, block-scaled) checkpoints carry beside their weights
 _SCALE_TENSOR = re.compile(r"^(.*)\.(weight_scale_inv|weight_scale|weight_scale_2|input_scale)$")
 
-# Working memory per weight of a slice being quantized: the source slice, float32 rows, rotated values, indices
-# and comparisons, the codebook values of the norm correction and their int32 gather index, the packed output.
+# Working memory per weight of a slice being quantized: the source slice, the quantizer's buffers (three float32
+# ones, the int32 and uint8 indices, a 16-bit staging copy: codec.GroupQuantizer), the packed output.
 _BYTES_PER_ELEMENT = 32
-_CPU_SLICE = 1 << 18  # weights per slice on CPU: its temporaries (8 MB) stay in the caches
+_CPU_SLICE = 1 << 18  # weights per slice on CPU: the quantizer's buffers for it (5 MB) stay in the caches
 _CUDA_SLICE = 1 << 24  # 32 MB of bf16 a slice: large enough for the kernels, small enough for the host buffers
 # devices whose slices are quantized by the worker pool; on the others (CUDA) the main thread quantizes
 _POOLED_DEVICES = ("cpu",)
@@ -488,83 +488,12 @@ class _SliceWriter:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# quantizing slices of rows: the same arithmetic as codec.quantize_weight, bit for bit, in fewer passes
-class _SliceQuantizer:
-    """Quantizes `(rows, in)` slices exactly as `codec.quantize_weight` does (same float32 operations in the
-    same order, so the same bytes), but faster: the D1/D2 sign flips are folded into the Hadamard matrix (a sign
-    flip is exact), the rounding counts boundaries below each value with comparisons instead of a binary search,
-    and the packing works on uint8 indices."""
-
-    def __init__(self, bits, group_size: int, device):
-        self.group_size = group_size
-        self.n_levels = fmt.levels_for_bits(bits)
-        s1, s2 = fmt.signs(group_size, device)
-        h = codec.hadamard_matrix(group_size, device)
-        self.h = (s1.unsqueeze(1) * h * s2.unsqueeze(0)).contiguous()
-        self.scale = math.sqrt(group_size)
-        self.centroids = fmt.codebook(self.n_levels, group_size, device)
-        self.bounds = ((self.centroids[:-1] + self.centroids[1:]) / 2).tolist()  # exact float32 values
-        self.bpg = fmt.bytes_per_group(self.n_levels, group_size)
-
-    def __call__(self, x: torch.Tensor, name: str, first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = self.group_size
-        rows, in_features = x.shape
-        n_groups = -(-in_features // g)
-        xf = x.to(torch.float32)  # x is this slice's own buffer: changing it in place is safe
-        if n_groups * g != in_features:
-            xf = torch.nn.functional.pad(xf, (0, n_groups * g - in_features))
-        groups = xf.view(-1, g)
-        n = torch.linalg.vector_norm(groups, dim=1)
-        if not torch.isfinite(n).all():
-            bad = (~torch.isfinite(x.to(torch.float32))).nonzero()
-            if len(bad):
-                raise ValueError(f"{name}: weight contains NaN or Inf (first at row {first_row + int(bad[0][0])}, "
-                                 f"column {int(bad[0][1])}); refusing to quantize it")
-        groups.div_(torch.where(n > 0, n, torch.ones_like(n)).unsqueeze(1))
-        y = torch.mm(groups, self.h)
-        y.div_(self.scale)
-        del xf, groups
-        idx = torch.gt(y, self.bounds[0]).view(torch.uint8)
-        cmp = torch.empty_like(y, dtype=torch.bool)
-        for b in self.bounds[1:]:
-            idx.add_(torch.gt(y, b, out=cmp).view(torch.uint8))
-        del y, cmp
-        r = torch.linalg.vector_norm(self.centroids.index_select(0, idx.view(-1).int()).view(idx.shape), dim=1)
-        norms = (n / torch.where(r > 0, r, torch.ones_like(r))).view(rows, n_groups)
-        return self._pack(idx), norms
-
-    def _pack(self, idx: torch.Tensor) -> torch.Tensor:
-        n, g = idx.shape
-        if self.n_levels == 8:
-            v = idx.view(n, g // 8, 8)
-            out = torch.empty(n, g // 8, 3, dtype=torch.uint8, device=idx.device)
-            torch.bitwise_or(v[..., 0], v[..., 1] << 3, out=out[..., 0])
-            out[..., 0] |= v[..., 2] << 6
-            torch.bitwise_or(v[..., 2] >> 2, v[..., 3] << 1, out=out[..., 1])
-            out[..., 1] |= v[..., 4] << 4
-            out[..., 1] |= v[..., 5] << 7
-            torch.bitwise_or(v[..., 5] >> 1, v[..., 6] << 2, out=out[..., 2])
-            out[..., 2] |= v[..., 7] << 5
-            return out.view(n, -1)
-        if self.n_levels == 16:
-            v = idx.view(n, g // 2, 2)
-            return v[..., 0] | (v[..., 1] << 4)
-        if self.n_levels == 4:
-            v = idx.view(n, g // 4, 4)
-            out = v[..., 0] | (v[..., 1] << 2)
-            out |= v[..., 2] << 4
-            out |= v[..., 3] << 6
-            return out
-        # ternary: 5 base-3 digits a byte, least significant first, the last byte padded with zero digits
-        width = self.bpg * 5
-        if width != g:
-            idx = torch.nn.functional.pad(idx, (0, width - g))
-        v = idx.view(n, self.bpg, 5)
-        out = v[..., 0] + v[..., 1] * 3
-        out += v[..., 2] * 9
-        out += v[..., 3] * 27
-        out += v[..., 4] * 81
-        return out
+# quantizing slices of rows: codec.quantize_weight's quantizer itself
+class _SliceQuantizer(codec.GroupQuantizer):
+    """Quantizes `(rows, in)` slices of a source tensor with `codec.GroupQuantizer`, the quantizer of
+    `codec.quantize_weight`: a fixed sequence of float32 elementwise operations on each group, so the bytes
+    are those of `from_pretrained` + `save_pretrained` whatever the slicing, the device or the number of threads.
+    One instance serves every worker thread (each keeps its own buffers)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -905,7 +834,7 @@ class TurboQuantizer(_QuantizerBase):
         """Read, quantize and write every unit not already in a finished shard.
 
         On CPU, slices are read and quantized by a pool of single-threaded workers (one per torch thread): whole
-        slices in parallel, rather than every operation split across cores, which stalls at each of the ~40
+        slices in parallel, rather than every operation split across cores, which stalls at each of the ~80
         operations of a slice as soon as another process takes a core. On a device (CUDA), a pipeline: several
         threads read slices ahead into reusable host buffers (page-locked), the main thread copies each to the
         device on a copy stream, quantizes it there once the copy is done, and copies the results back into
