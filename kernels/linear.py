@@ -1,15 +1,16 @@
 """Triton kernels for `torch.ops.turboquant.linear` (CUDA).
 
 The product `y = x @ W.T` for a TurboQuant-packed weight runs in two steps,
-both reading the published tq3_native layout directly (no repacked copy):
+reading the published tq3_native bytes or (2- and 3-bit on a GPU) the same
+bytes in the runtime layout of `turboquant_hf.layout`:
 
 1. `rotate`: the activations, rotated per group of G (`x_rot = D2 . H . D1 . x`,
    H the normalised Walsh-Hadamard matrix), zero-padded to `n_groups * G`.
-   One Triton kernel; the Hadamard product runs as a `tl.dot` with a +-1
-   matrix built in registers, so bf16/fp16 inputs rotate exactly (fp32
-   accumulation) and fp32 inputs use full-precision dots.
+   One Triton kernel; the Hadamard product runs as a `tl.dot` with a cached
+   +-1 matrix, so bf16/fp16 inputs rotate exactly (fp32 accumulation) and
+   fp32 inputs use full-precision dots.
 2. the codebook product, chosen by the number of activation rows M:
-   - `gemv_fma` (M == 1, and any M for float32 activations): one program per
+   - `gemv_fma` (M == 1 without a LUT codebook, and any M for float32 activations): one program per
      block of BN weight rows (and per activation row), the packed bytes of
      GPI groups per step decoded in registers, turned into codebook values
      and multiplied into float32 partial sums per group, which are scaled by
@@ -17,13 +18,23 @@ both reading the published tq3_native layout directly (no repacked copy):
      load of the (L1-resident) codebook or from a tree of selects on the
      index bits; `LUT_MASKS` mixes the two per index position so both the
      load/store and the integer pipes work.
-   - `gemv_dot` (2 <= M <= DOT_MAX_M): one group per step decoded to a
-     `[BN, G]` tile in the activations' dtype and multiplied on the tensor
-     cores against `x_rot` (bf16/fp16); the `[BN, BM]` product is scaled by
-     the group norms and accumulated in float32.
-   - prefill (M > DOT_MAX_M): `dequantize_rotated` writes the rotated-basis
-     weight `norm * codebook[idx]` to a scratch `(rows, n_groups*G)` buffer in
-     the activations' dtype, then cuBLAS multiplies (`F.linear`).
+   - `gemv_lut` (M <= LUT_MAX_M, 2-, 3- and 4-bit, 16-bit activations): the
+     codebook looked up with byte permutes (`prmt`) in registers, FMA into
+     float32 sums scaled by the group norms.
+   - `gemv_dot` (LUT_MAX_M < M <= DOT_MAX_M): 2-, 3- and 4-bit weights
+     (`_gemv_mma_kernel`) decoded by byte permutes straight into the
+     registers of `mma.sync` operands (the order of the inputs inside a block
+     chosen so that a lane's decoded pairs are its operand registers, with no
+     shared-memory round trip), each block's product scaled by its group
+     norm; ternary (`_gemv_dot_kernel`) decodes one group per step to a
+     `[BN, G]` tile with selects. Float32 accumulation.
+   - prefill (M > DOT_MAX_M): `dequantize_lut` writes the weight itself to a
+     scratch `(rows, in_features)` buffer in the activations' dtype (codebook
+     lookups by byte permutes, the per-group rotation undone by a +-1 matrix
+     product on the tensor cores), then cuBLAS multiplies the activations as
+     they are (`F.linear`), with no rotation pass; ternary and float32
+     activations rotate the activations and use `dequantize_rotated`, the
+     exact rotated-basis weight `norm * codebook[idx]`.
 
 Packing (see `turboquant_hf.codec.pack_indices`): every group is an LSB-first
 bit stream. The kernels read it in "units" that hold a whole number of
@@ -352,7 +363,7 @@ def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr, TUNED: tl.constexpr, 
 # ---------------------------------------------------------------------------
 
 @triton.jit
-def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, M, K, stride_xm, stride_om, scale,
+def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, M, K, stride_xm, stride_om, scale,
                    G: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, EXACT16: tl.constexpr,
                    PER_T: tl.constexpr, NUT: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the GEMV that reads this output may start its prologue now (it waits for this grid's end)
@@ -367,16 +378,13 @@ def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, M, K, stride_xm, stride_om, s
     mmask = rm < M
     x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
     s1 = tl.load(s1_ptr + kk)
-    # +-1 Sylvester Hadamard entries: (-1)^popcount(i & j)
-    p = kk[:, None] & cc[None, :]
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    h = 1.0 - 2.0 * (p & 1).to(tl.float32)
+    # the +-1 Sylvester Hadamard block (a cached (G, G) matrix in the operands' dtype: loading it costs less
+    # than computing (-1)^popcount(i & j) in every program)
+    h = tl.load(h_ptr + kk[:, None] * G + cc[None, :])
     if EXACT16:
         # x is bf16/fp16: sign flips and +-1 products are exact, accumulation is float32
         xs = tl.where(s1[None, :] < 0, -x, x)
-        y = tl.dot(xs, h.to(x.dtype))
+        y = tl.dot(xs, h)
     else:
         xs = x.to(tl.float32) * s1[None, :]
         y = tl.dot(xs, h, input_precision="ieee")
@@ -389,6 +397,19 @@ def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, M, K, stride_xm, stride_om, s
         col = (col % PER_T) * NUT + col // PER_T
     optr = out_ptr + rm[:, None] * stride_om + col[None, :]
     tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+_HADAMARD: dict = {}
+
+
+def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The (G, G) Sylvester Hadamard matrix, +-1 entries, in `dtype` on `device` (built once per key)."""
+    key = (g, dtype, str(device))
+    if key not in _HADAMARD:
+        from turboquant_hf import codec
+
+        _HADAMARD[key] = codec.hadamard_matrix(g).to(dtype=dtype, device=device).contiguous()
+    return _HADAMARD[key]
 
 
 def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
@@ -409,9 +430,11 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     exact16 = x2.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     bc = min(g, 64 if exact16 else 32)
     grid = (triton.cdiv(m, bm), ng, g // bc)
-    _rotate_kernel[grid](x2, signs1, signs2, out, m, k, x2.stride(0), out.stride(0), 1.0 / math.sqrt(g),
+    hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
+    pdl = _pdl(x2.device, ng * g)
+    _rotate_kernel[grid](x2, signs1, signs2, out, hmat, m, k, x2.stride(0), out.stride(0), 1.0 / math.sqrt(g),
                          G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit, NUT=(ng * g) // unit if unit else 0,
-                         PDL=_pdl(x2.device), num_warps=4)
+                         PDL=pdl, num_warps=4)
     return out
 
 
@@ -936,7 +959,7 @@ def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stri
 
 
 # Largest M served by the LUT GEMV (above it the tensor-core GEMV or dequantize + cuBLAS).
-LUT_MAX_M = 4
+LUT_MAX_M = 2
 
 
 def lut_unit(n_levels: int, group_size: int | None = None) -> int:
@@ -993,7 +1016,7 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
     cfg = tuple(config or _lut_config(n, nut, 1 if experts else m, _tuned(packed) or n_levels == 16))
     bn, warps, bm, *extra = cfg if len(cfg) >= 3 else (*cfg, 1)
     opts = {"maxnreg": extra[0]} if extra and extra[0] else {}
-    pdl = _pdl(x_t.device)
+    pdl = _pdl(x_t.device, x_t.shape[1])
     if pdl:
         opts["launch_pdl"] = True
     if experts:
@@ -1019,6 +1042,411 @@ def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeb
 
 
 # ---------------------------------------------------------------------------
+# helpers of the tensor-core GEMV (2b): codebook values decoded straight into mma operand registers
+# ---------------------------------------------------------------------------
+#
+# `mma.sync` m16n8k16 fixes which weights a lane holds: with the weight tile as operand A (rows x k),
+# lane 4g + t holds rows g and g + 8 of every 16-row tile and, in every 16-wide k step, the pairs
+# k = 2t, 2t + 1 and 2t + 8, 2t + 9, each pair one 32-bit register (low half first). A lane holds a quarter
+# of every row's k range, and the order of k inside a dot is free as long as the activations (operand B,
+# k x m: lane 4g + t holds the same k of activation row g) are read in the same order. The GEMV picks the
+# order in which a lane's registers are exactly the units it decodes: lane t decodes R whole units of
+# each of its rows per block of KB = 4 R PER inputs, and value j = 2q + e of its unit r lands at
+#
+#     k = e + 2t + 8 (q + r PER/2),
+#
+# so the pair (e = 0, 1) that one byte permute assembles is an operand register and the decoded tile goes
+# to `tl.dot` without moving (no shared memory, no shuffles). The activations of those units are PER
+# contiguous inputs per unit: 128-bit loads, also straight into operand registers. (Triton places the
+# tensors this way by itself: the loads' coalescing puts the lanes on (t, row) and the warps on the block
+# axis, and the joins and reshapes keep every value in its lane; Triton 3.9's sm_90 SASS has no shared
+# memory and no shuffles in the loop. Another Triton could insert layout conversions: slower, still right.)
+#
+# The lookups: the 16-bit patterns of the codebook entries (bfloat16, or float16 for float16 activations,
+# rounded to nearest) as byte tables, low bytes of entries 0-3 and 4-7 in two registers and high bytes in
+# two more (and four more for entries 8-15). Two permutes look up the low and the high bytes of four
+# indices (nibbles of the selector), two more interleave them into the two pairs: four values for four
+# permutes, plus a shift per eight written as `mul.hi` (an IMAD on the FMA pipe rather than a shift on the
+# integer pipe, which the permutes keep busy); a 16-entry codebook takes two 8-entry lookups and a byte
+# mask from the indices' top bits, as in `_lut8`; 4-entry codebooks in the runtime layout take one permute
+# per pair (`_PAIR2_ASM`). Counted in sm_90 SASS (3-bit runtime layout, G = 128, BN = 32, 16 activation
+# rows): ~2.2 instructions per weight per lane in the loop, ~1.3 of them on the integer pipe.
+
+_PAIR8_ASM = tl.constexpr("""{
+.reg .b32 l, h, s;
+prmt.b32 l, $4, $5, $8;
+prmt.b32 h, $6, $7, $8;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
+mul.hi.u32 s, $8, 65536;
+prmt.b32 l, $4, $5, s;
+prmt.b32 h, $6, $7, s;
+prmt.b32 $2, l, h, 0x5140;
+prmt.b32 $3, l, h, 0x7362;
+}""")
+
+_PAIR16_ASM = tl.constexpr("""{
+.reg .b32 s, a, m, l, h, x, y;
+and.b32 s, $4, 0x77777777;
+shl.b32 a, $4, 4;
+prmt.b32 l, $5, $6, s;
+prmt.b32 x, $9, $10, s;
+prmt.b32 h, $7, $8, s;
+prmt.b32 y, $11, $12, s;
+prmt.b32 m, a, $4, 0xD9C8;
+lop3.b32 l, l, x, m, 0xD8;
+lop3.b32 h, h, y, m, 0xD8;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
+mul.hi.u32 s, s, 65536;
+prmt.b32 l, $5, $6, s;
+prmt.b32 x, $9, $10, s;
+prmt.b32 h, $7, $8, s;
+prmt.b32 y, $11, $12, s;
+prmt.b32 m, a, $4, 0xFBEA;
+lop3.b32 l, l, x, m, 0xD8;
+lop3.b32 h, h, y, m, 0xD8;
+prmt.b32 $2, l, h, 0x5140;
+prmt.b32 $3, l, h, 0x7362;
+}""")
+
+
+@triton.jit
+def _mma_pattern(c, F16: tl.constexpr):
+    """The 16-bit pattern (uint32) of float32 `c` rounded to nearest even: bfloat16, or float16 (F16)."""
+    if F16:
+        p = c.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    else:
+        b = c.to(tl.uint32, bitcast=True)
+        p = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return p
+
+
+@triton.jit
+def _mma_tables(cb_ptr, NLEV: tl.constexpr, F16: tl.constexpr):
+    """The codebook's 16-bit patterns as eight uint32 byte tables: low bytes of entries 0-3, 4-7, high bytes
+    of entries 0-3, 4-7, then the same for entries 8-15 (missing entries are zero)."""
+    t0 = _mma_pattern(tl.load(cb_ptr).to(tl.float32), F16)
+    t1 = t0 & 0
+    t2 = t0 >> 8
+    t3 = t1
+    t4 = t1
+    t5 = t1
+    t6 = t1
+    t7 = t1
+    t0 = t0 & 0xFF
+    for i in tl.static_range(1, 16):
+        if i < NLEV:
+            p = _mma_pattern(tl.load(cb_ptr + i).to(tl.float32), F16)
+            lo = (p & 0xFF) << (8 * (i % 4))
+            hi = (p >> 8) << (8 * (i % 4))
+            if i < 4:
+                t0 = t0 | lo
+                t2 = t2 | hi
+            elif i < 8:
+                t1 = t1 | lo
+                t3 = t3 | hi
+            elif i < 12:
+                t4 = t4 | lo
+                t6 = t6 | hi
+            else:
+                t5 = t5 | lo
+                t7 = t7 | hi
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.constexpr):
+    """The eight codebook values of the indices in the nibbles of uint32 `d` (3-bit fields for codebooks of
+    up to 8 entries, 4-bit for 16) as four uint32 pairs of 16-bit patterns: values (0, 1), (2, 3), (4, 5),
+    (6, 7), the first of each pair in the low half."""
+    if USE_ASM and NLEV == 16:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _PAIR16_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [d, t0, t1, t2, t3, t4, t5, t6, t7],
+            dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
+    elif USE_ASM:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(_PAIR8_ASM, "=r,=r,=r,=r,r,r,r,r,r", [t0, t1, t2, t3, d],
+                                                   dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
+    else:
+        s = d & 0x77777777
+        if NLEV == 16:
+            a = d << 4
+            m = _prmt(a, d, 0xD9C8)
+            lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
+            hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
+        else:
+            lo = _prmt(t0, t1, s)
+            hi = _prmt(t2, t3, s)
+        p0 = _prmt(lo, hi, 0x5140)
+        p1 = _prmt(lo, hi, 0x7362)
+        s = s >> 16
+        if NLEV == 16:
+            m = _prmt(a, d, 0xFBEA)
+            lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
+            hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
+        else:
+            lo = _prmt(t0, t1, s)
+            hi = _prmt(t2, t3, s)
+        p2 = _prmt(lo, hi, 0x5140)
+        p3 = _prmt(lo, hi, 0x7362)
+    return p0, p1, p2, p3
+
+
+# 3-bit runtime layout, indices 24..31: bit p of index 24 + n is the top bit of nibble n of word p. Masked,
+# shifted right by 3, 2, 1 with `mul.hi` / `mad.hi` (the FMA pipe) and summed (the bits are disjoint).
+_TOP3_ASM = tl.constexpr("""{
+.reg .b32 a, b, c;
+and.b32 a, $1, 0x88888888;
+and.b32 b, $2, 0x88888888;
+and.b32 c, $3, 0x88888888;
+mul.hi.u32 c, c, 0x80000000;
+mad.hi.u32 b, b, 0x40000000, c;
+mad.hi.u32 $0, a, 0x20000000, b;
+}""")
+
+# 2-bit runtime layout: four entries fit one permute's eight source bytes as (low bytes, high bytes), so one
+# `prmt` makes a pair when its selector is (i, 4 + i, i', 4 + i') for indices i, i'. With four indices in the
+# bytes of x (each < 4), x * 0x11 + 0x40404040 (one IMAD) is that selector for the two in the low bytes, and
+# shifted right by 16 (`mul.hi`) for the two in the high bytes. A word holds indices n and 8 + n in nibble n
+# (bits 0-1 and 2-3), so masks of the word shifted by 0, 4 (and 2, 6) give indices 0, 2, 4, 6 and 1, 3, 5, 7
+# (8 .. 15) one per byte, and a byte permute interleaves them: per 16 values 4 masks, 4 interleaves and 8
+# lookups on the integer pipe (19 with `_unit_nibbles` and `_mma_pairs`), shifts and selectors on the FMA pipe.
+_PAIR2_ASM = tl.constexpr("""{
+.reg .b32 x, y, a, s;
+and.b32 x, $8, 0x03030303;
+mul.hi.u32 y, $8, 0x10000000;
+and.b32 y, y, 0x03030303;
+prmt.b32 a, x, y, 0x5140;
+mad.lo.u32 s, a, 0x11, 0x40404040;
+prmt.b32 $0, $9, $10, s;
+mul.hi.u32 s, s, 0x10000;
+prmt.b32 $1, $9, $10, s;
+prmt.b32 a, x, y, 0x7362;
+mad.lo.u32 s, a, 0x11, 0x40404040;
+prmt.b32 $2, $9, $10, s;
+mul.hi.u32 s, s, 0x10000;
+prmt.b32 $3, $9, $10, s;
+mul.hi.u32 x, $8, 0x40000000;
+and.b32 x, x, 0x03030303;
+mul.hi.u32 y, $8, 0x04000000;
+and.b32 y, y, 0x03030303;
+prmt.b32 a, x, y, 0x5140;
+mad.lo.u32 s, a, 0x11, 0x40404040;
+prmt.b32 $4, $9, $10, s;
+mul.hi.u32 s, s, 0x10000;
+prmt.b32 $5, $9, $10, s;
+prmt.b32 a, x, y, 0x7362;
+mad.lo.u32 s, a, 0x11, 0x40404040;
+prmt.b32 $6, $9, $10, s;
+mul.hi.u32 s, s, 0x10000;
+prmt.b32 $7, $9, $10, s;
+}""")
+
+
+@triton.jit
+def _mma_pairs2(w, t0, t2, USE_ASM: tl.constexpr):
+    """The 16 values of 2-bit units in the runtime layout (uint32 words `w`) as eight uint32 pairs (values 2q,
+    2q + 1), with the lookups of `_PAIR2_ASM`."""
+    if USE_ASM:
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            _PAIR2_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [w, t0, t2], dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
+    else:
+        x = w & 0x03030303
+        y = (w >> 4) & 0x03030303
+        a = _prmt(x, y, 0x5140) * 0x11 + 0x40404040
+        p0 = _prmt(t0, t2, a)
+        p1 = _prmt(t0, t2, a >> 16)
+        a = _prmt(x, y, 0x7362) * 0x11 + 0x40404040
+        p2 = _prmt(t0, t2, a)
+        p3 = _prmt(t0, t2, a >> 16)
+        x = (w >> 2) & 0x03030303
+        y = (w >> 6) & 0x03030303
+        a = _prmt(x, y, 0x5140) * 0x11 + 0x40404040
+        p4 = _prmt(t0, t2, a)
+        p5 = _prmt(t0, t2, a >> 16)
+        a = _prmt(x, y, 0x7362) * 0x11 + 0x40404040
+        p6 = _prmt(t0, t2, a)
+        p7 = _prmt(t0, t2, a >> 16)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _mma_scale(p, nsc, F16: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint32 pairs times the norms (3-bit, G = 64: a block spans two groups), rounded to 16 bits: `nsc` is the
+    norm's 16-bit pattern twice (`mul.rn.bf16x2` / `f16x2`) on the GPU, the float32 norm in the interpreter."""
+    if USE_ASM:
+        if F16:
+            out = tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [p, nsc], dtype=tl.uint32,
+                                            is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, nsc], dtype=tl.uint32,
+                                            is_pure=True, pack=1)
+    else:
+        lo = p & 0xFFFF
+        hi = p >> 16
+        if F16:
+            lo = _mma_pattern(lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * nsc, True)
+            hi = _mma_pattern(hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * nsc, True)
+        else:
+            lo = _mma_pattern((lo << 16).to(tl.float32, bitcast=True) * nsc, False)
+            hi = _mma_pattern((hi << 16).to(tl.float32, bitcast=True) * nsc, False)
+        out = lo | (hi << 16)
+    return out
+
+
+@triton.jit
+def _mma_values(p, F16: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint32 pairs `[...]` -> their values `[..., 2]` (the low half first): on the GPU the 16-bit type of the
+    activations, the register taken as it is (a `mov` that ptxas drops); float32 in the interpreter.
+
+    The `mov` is declared with side effects on purpose: Triton sizes the dot operand's k-width from the
+    narrowest load and the joins it finds walking back from the dot, and must not walk past this point (the
+    joins before it would make it pick 4 consecutive k per lane instead of the pairs laid out here)."""
+    if USE_ASM:
+        if F16:
+            out = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(p, p)], dtype=tl.float16,
+                                            is_pure=False, pack=2)
+        else:
+            out = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(p, p)], dtype=tl.bfloat16,
+                                            is_pure=False, pack=2)
+    else:
+        h = tl.join(p & 0xFFFF, p >> 16)
+        if F16:
+            out = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            out = (h << 16).to(tl.float32, bitcast=True)
+    return out
+
+
+@triton.jit
+def _mma_join4(a, b, c, d):
+    """Four same-shape tensors -> `[..., 2, 2]`, a, b, c, d at index i0 + 2 i1 of the two new axes."""
+    return tl.join(tl.join(a, b), tl.join(c, d))
+
+
+@triton.jit
+def _mma_join8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """Eight same-shape tensors -> `[..., 2, 2, 2]`, a_q at index i0 + 2 i1 + 4 i2 of the three new axes."""
+    return tl.join(_mma_join4(a0, a1, a2, a3), _mma_join4(a4, a5, a6, a7))
+
+
+@triton.jit
+def _mma_chunk(w0, w1, w2, CH: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.constexpr,
+               TUNED: tl.constexpr, F16: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr):
+    """Values 8 CH .. 8 CH + 7 of every unit as four uint32 pair tensors (FOLD: scaled by the norms)."""
+    if NLEV == 16:
+        d = w0
+    elif NLEV == 8 and TUNED and CH == 3 and USE_ASM:  # the top bits of the three words, shifted on the FMA pipe
+        d = tl.inline_asm_elementwise(_TOP3_ASM, "=r,r,r,r", [w0, w1, w2], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        d = _unit_nibbles(w0, w1, w2, CH, NLEV, TUNED)
+    p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
+    if FOLD:
+        p0 = _mma_scale(p0, nsc, F16, USE_ASM)
+        p1 = _mma_scale(p1, nsc, F16, USE_ASM)
+        p2 = _mma_scale(p2, nsc, F16, USE_ASM)
+        p3 = _mma_scale(p3, nsc, F16, USE_ASM)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.constexpr, TUNED: tl.constexpr,
+                    F16: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr):
+    """Units (uint32 words w0..w2 of any shape `[...]`) -> their PER / 2 value pairs as uint32 `[..., 2, 2, ...]`:
+    pair q (values 2q, 2q + 1) at index q = q0 + 2 q1 + ... of the new axes."""
+    if NLEV == 4 and TUNED:
+        a0, a1, a2, a3, b0, b1, b2, b3 = _mma_pairs2(w0, t0, t2, USE_ASM)
+        if FOLD:  # (groups of 32 inputs)
+            a0 = _mma_scale(a0, nsc, F16, USE_ASM)
+            a1 = _mma_scale(a1, nsc, F16, USE_ASM)
+            a2 = _mma_scale(a2, nsc, F16, USE_ASM)
+            a3 = _mma_scale(a3, nsc, F16, USE_ASM)
+            b0 = _mma_scale(b0, nsc, F16, USE_ASM)
+            b1 = _mma_scale(b1, nsc, F16, USE_ASM)
+            b2 = _mma_scale(b2, nsc, F16, USE_ASM)
+            b3 = _mma_scale(b3, nsc, F16, USE_ASM)
+        v = _mma_join8(a0, a1, a2, a3, b0, b1, b2, b3)
+    elif NLEV == 16:
+        a0, a1, a2, a3 = _mma_chunk(w0, w1, w2, 0, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+                                    USE_ASM)
+        v = _mma_join4(a0, a1, a2, a3)
+    else:
+        a0, a1, a2, a3 = _mma_chunk(w0, w1, w2, 0, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+                                    USE_ASM)
+        b0, b1, b2, b3 = _mma_chunk(w0, w1, w2, 1, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+                                    USE_ASM)
+        v = _mma_join8(a0, a1, a2, a3, b0, b1, b2, b3)
+        if NLEV == 8:
+            c0, c1, c2, c3 = _mma_chunk(w0, w1, w2, 2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+                                        USE_ASM)
+            e0, e1, e2, e3 = _mma_chunk(w0, w1, w2, 3, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+                                        USE_ASM)
+            v = tl.join(v, _mma_join8(c0, c1, c2, c3, e0, e1, e2, e3))
+    return v
+
+
+@triton.jit
+def _mma_words(pk_ptr, row, un, NUT: tl.constexpr, WPU: tl.constexpr, TUNED: tl.constexpr):
+    """The uint32 words of units `un` (numbered along the row) of rows `row`, read once (evict first)."""
+    if WPU == 3 and TUNED:  # three planes per row: word p of unit u at p * NUT + u
+        base = pk_ptr + row * (3 * NUT) + un
+        step = NUT
+    elif WPU == 3:
+        base = pk_ptr + (row * NUT + un) * 3
+        step = 1
+    else:
+        base = pk_ptr + row * NUT + un
+        step = 0
+    w0 = tl.load(base, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+    if WPU == 3:
+        w1 = tl.load(base + step, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        w2 = tl.load(base + 2 * step, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+    else:
+        w1 = w0
+        w2 = w0
+    return w0, w1, w2
+
+
+@triton.jit
+def _mma_norm_load(p, mask):
+    """float32 norms at `p` (mask None: all in bounds)."""
+    if mask is None:
+        nr = tl.load(p)
+    else:
+        nr = tl.load(p, mask=mask, other=0.0)
+    return nr.to(tl.float32)
+
+
+@triton.jit
+def _mma_norms16(p, mask, NG: tl.constexpr, A: tl.constexpr, A0: tl.constexpr):
+    """Norms of rows 16 (A0 + a) + i, a < A (1, 2 or 4), as `[S, 16, 2, ...]` (the new axes: bits of a)."""
+    nr = _mma_norm_load(p + (16 * A0) * NG, mask)
+    if A >= 2:
+        nr = tl.join(nr, _mma_norm_load(p + (16 * A0 + 16) * NG, mask))
+    if A == 4:
+        nr = tl.join(nr, tl.join(_mma_norm_load(p + (16 * A0 + 32) * NG, mask),
+                                 _mma_norm_load(p + (16 * A0 + 48) * NG, mask)))
+    return nr
+
+
+@triton.jit
+def _mma_norm_rows(p, mask, NG: tl.constexpr, A: tl.constexpr):
+    """`[S, 16 A]` norms of rows 16 a + i from pointers `p` `[S, 16]` of rows i: A loads of 16 rows each (a
+    load that small is read straight in the layout of the product's rows, with no conversion)."""
+    S: tl.constexpr = p.shape[0]
+    if A == 1:
+        nr = _mma_norms16(p, mask, NG, 1, 0)
+    elif A == 2:
+        nr = tl.reshape(tl.permute(_mma_norms16(p, mask, NG, 2, 0), (0, 2, 1)), [S, 32])
+    elif A == 4:
+        nr = tl.reshape(tl.permute(_mma_norms16(p, mask, NG, 4, 0), (0, 3, 2, 1)), [S, 64])
+    else:
+        nr = tl.join(_mma_norms16(p, mask, NG, 4, 0), _mma_norms16(p, mask, NG, 4, 4))
+        nr = tl.reshape(tl.permute(nr, (0, 4, 3, 2, 1)), [S, 128])
+    return nr
+
+
+# ---------------------------------------------------------------------------
 # 2b. GEMV / small GEMM on tensor cores (2 <= M <= DOT_MAX_M, 16-bit activations)
 # ---------------------------------------------------------------------------
 
@@ -1027,6 +1455,8 @@ def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_
                      NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr,
                      WPU: tl.constexpr, UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr,
                      BM: tl.constexpr, LUT_MASK: tl.constexpr, TUNED: tl.constexpr):
+    """Ternary weights (and any codebook, if called so): one group per step decoded with select trees
+    (`_decode_unit_values`) into a `[BN, G]` tile in the activations' dtype, one `tl.dot` per group."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codebook16(cb_ptr, NLEV)
@@ -1062,10 +1492,173 @@ def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_
     tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
 
 
-def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
-    """(BN, num_warps, num_stages) for the tensor-core GEMV, from the weight shape only.
+@triton.jit
+def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, stride_om,
+                     NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr,
+                     BM: tl.constexpr, S: tl.constexpr, TUNED: tl.constexpr, F16: tl.constexpr,
+                     PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    """2-, 3- and 4-bit weights on the tensor cores: one program per BN weight rows x BM (8 or 16) activation
+    rows, S warps (num_warps == S) splitting the row's blocks of KB inputs (warp s takes blocks s, s + S, ...;
+    a batched `tl.dot` over the S axis keeps every warp on its own blocks); the S partial products are summed
+    at the end. Per block a warp decodes its `[BN, KB]` tile in operand order (see the helpers above), reads
+    the matching `[KB, BM]` activations and runs one dot (float32 accumulation), scaled by the group norms
+    per block (KB <= G), or, when a block spans two groups (3-bit, G = 64), with the norms folded into the
+    16-bit values before the dot. PREFETCH: the next block's words are loaded before this block is decoded
+    (the first block's, as with a single block per warp, before waiting for the previous kernel: PDL).
+    (A 3-D dot is lowered to `mma.sync`, both operands in registers; a 2-D one would take wgmma on sm_90,
+    which reads B from shared memory and waits for each group's result.)
 
-    One stage: software pipelining would route every codebook lookup through shared memory."""
+    Rows past N and activation rows past M read row N-1 / M-1 (their results are not stored); blocks past
+    the row's end (when S does not divide the block count) read the last block with zero norms."""
+    PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
+    WPU: tl.constexpr = 3 if NLEV == 8 else 1
+    UPG: tl.constexpr = G // PER
+    NUT: tl.constexpr = NG * UPG
+    R: tl.constexpr = KB // (4 * PER)
+    UPB: tl.constexpr = KB // PER
+    NBLK: tl.constexpr = (NUT + UPB - 1) // UPB
+    ITERS: tl.constexpr = (NBLK + S - 1) // S
+    FOLD: tl.constexpr = KB > G
+    PART: tl.constexpr = NBLK * UPB != NUT  # (FOLD with an odd number of groups: the last block is half a block)
+    EVEN: tl.constexpr = NBLK % S == 0
+    A: tl.constexpr = BN // 16
+    MH: tl.constexpr = BM // 8
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _mma_tables(cb_ptr, NLEV, F16)
+    # weight tile axes (h, a, s, l, t, r): row 16 a + 8 h + l, block i S + s, unit ub of the block. Lanes 1
+    # and 2 swap units, so that no lane holds two consecutive units' words (no vector load across lanes).
+    ah = tl.arange(0, 2)[:, None, None, None, None, None]
+    aa = tl.arange(0, A)[None, :, None, None, None, None]
+    as_ = tl.arange(0, S)[None, None, :, None, None, None]
+    al = tl.arange(0, 8)[None, None, None, :, None, None]
+    at = tl.arange(0, 4)[None, None, None, None, :, None]
+    ar = tl.arange(0, R)[None, None, None, None, None, :]
+    ub = ((at & 1) * 2 + (at >> 1)) * R + ar
+    row = tl.minimum(pid_n * BN + 16 * aa + 8 * ah + al, N - 1)
+    # activation tile axes (v, mh, r, s, mg, t, c): activation row 8 mh + mg, input ub * PER + 8 v + c of the
+    # block. One load: the coalescing order (c, then the other axes from the last) puts the lanes on t and mg
+    # and the warps on s, as in the dot operand.
+    xv = tl.arange(0, PER // 8)[:, None, None, None, None, None, None]
+    xh = tl.arange(0, MH)[None, :, None, None, None, None, None]
+    xr = tl.arange(0, R)[None, None, :, None, None, None, None]
+    xs = tl.arange(0, S)[None, None, None, :, None, None, None]
+    xg = tl.arange(0, 8)[None, None, None, None, :, None, None]
+    xt = tl.arange(0, 4)[None, None, None, None, None, :, None]
+    xc = tl.arange(0, 8)[None, None, None, None, None, None, :]
+    xub = ((xt & 1) * 2 + (xt >> 1)) * R + xr
+    xrow = xr_ptr + tl.minimum(pid_m * BM + 8 * xh + xg, M - 1) * stride_xm + 8 * xv + xc
+    # norms (per block): [S, BN] as A loads of [S, 16]
+    nrow = tl.minimum(pid_n * BN + tl.arange(0, 16), N - 1)[None, :] * NG
+    ns = tl.arange(0, S)[:, None]
+    acc = tl.zeros([S, BN, BM], dtype=tl.float32)
+    AHEAD: tl.constexpr = PREFETCH or ITERS == 1  # the first block's words are read before the loop
+    if AHEAD:  # (and before waiting for the previous kernel: the weights are not its output)
+        bw = as_
+        if not EVEN:
+            bw = tl.minimum(bw, NBLK - 1)
+        un = bw * UPB + ub
+        if PART:
+            un = tl.minimum(un, NUT - 1)
+        w0, w1, w2 = _mma_words(pk_ptr, row, un, NUT, WPU, TUNED)
+    if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
+        gdc_wait()
+    for i in range(ITERS):
+        if not AHEAD or ITERS > 1:
+            if AHEAD:
+                bw = tl.minimum((i + 1) * S + as_, NBLK - 1)
+            else:
+                bw = i * S + as_
+                if not EVEN:
+                    bw = tl.minimum(bw, NBLK - 1)
+            un = bw * UPB + ub
+            if PART:
+                un = tl.minimum(un, NUT - 1)
+            if AHEAD:
+                n0, n1, n2 = _mma_words(pk_ptr, row, un, NUT, WPU, TUNED)
+            else:
+                w0, w1, w2 = _mma_words(pk_ptr, row, un, NUT, WPU, TUNED)
+        nsc = t0  # (FOLD only)
+        if FOLD:  # per-unit norms, folded into the values (zero for units past the row's end)
+            uf = (i * S + as_) * UPB + ub
+            if PART or not EVEN:
+                nf = tl.load(nrm_ptr + row * NG + tl.minimum(uf, NUT - 1) // UPG, mask=uf < NUT, other=0.0)
+            else:
+                nf = tl.load(nrm_ptr + row * NG + uf // UPG)
+            nsc = nf.to(tl.float32)
+            if USE_ASM:
+                if F16:
+                    nsc = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [nsc], dtype=tl.uint32,
+                                                    is_pure=True, pack=1)
+                else:
+                    nsc = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [nsc], dtype=tl.uint32,
+                                                    is_pure=True, pack=1)
+        v = _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD, USE_ASM)
+        # axes h a s l t r q0 q1 .. -> s a h l r .. q1 q0 t: rows 16 a + 8 h + l, k = e + 2t + 8 (q + r PER/2)
+        if NLEV == 8:
+            v = tl.permute(v, (2, 1, 0, 3, 5, 9, 8, 7, 6, 4))
+        elif NLEV == 4:
+            v = tl.permute(v, (2, 1, 0, 3, 5, 8, 7, 6, 4))
+        else:
+            v = tl.permute(v, (2, 1, 0, 3, 5, 7, 6, 4))
+        w = tl.reshape(_mma_values(tl.reshape(v, [S, BN, KB // 2]), F16, USE_ASM), [S, BN, KB])
+        xbw = i * S + xs
+        if not EVEN:
+            xbw = tl.minimum(xbw, NBLK - 1)
+        xun = xbw * UPB + xub
+        if PART:
+            xun = tl.minimum(xun, NUT - 1)
+        # axes (v, mh, r, s, mg, t, c) -> c = 2 q' + e, q = q' + 4 v -> s mh mg r v q' t e
+        xa = tl.reshape(tl.load(xrow + xun * PER), [PER // 8, MH, R, S, 8, 4, 4, 2])
+        xa = tl.permute(xa, (3, 1, 4, 2, 0, 6, 5, 7))
+        xk = tl.permute(tl.reshape(xa, [S, BM, KB]), (0, 2, 1))
+        if FOLD:
+            acc = tl.dot(w, xk, acc)
+        else:
+            part = tl.dot(w, xk)
+            nb = i * S + ns
+            if EVEN:
+                nr = _mma_norm_rows(nrm_ptr + nrow + (nb * UPB) // UPG, None, NG, A)
+            else:
+                nr = _mma_norm_rows(nrm_ptr + nrow + (nb * UPB) // UPG, nb < NBLK, NG, A)
+            acc += part * nr[:, :, None]
+        if AHEAD and ITERS > 1:
+            w0 = n0
+            w1 = n1
+            w2 = n2
+    y = tl.sum(acc, axis=0)
+    rn = pid_n * BN + tl.arange(0, BN)
+    om = pid_m * BM + tl.arange(0, BM)
+    optr = out_ptr + om[None, :] * stride_om + rn[:, None]
+    tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=(rn < N)[:, None] & (om < M)[None, :])
+
+
+def _mma_block(n_levels: int, g: int) -> int:
+    """Inputs per dot (KB) of `_gemv_mma_kernel`: four lanes x R units, 128 (64 for G = 64 at 2 and 4 bits).
+    Smaller groups (3-bit units, 32 indices, at G = 64; any codebook below 64) make blocks of several groups,
+    the norms folded into the values; the kernel serves group sizes that divide KB or that KB divides."""
+    return 64 if g == 64 and n_levels != 8 else 128
+
+
+def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
+    """Launch configuration of the tensor-core GEMV, from the weight shape only (never from M).
+
+    2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch). BN = 16 weight rows per
+    program (one m16 tile per warp), num_warps = S warps splitting the row's blocks: 4, or 2 from 16384 rows
+    up, halved while it exceeds half the blocks. From a sweep on an H200 (3-bit, G = 128, M = 16 and 4, the benchmark
+    shapes): more warps per program (8, 16) and more rows (32, 64) were slower on every shape. Prefetch (the
+    next block's words loaded a block ahead) when a warp runs more than two blocks. One stage: the loop is
+    pipelined by hand, and Triton's pipelining would stage the operands through shared memory.
+
+    Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
+    every codebook lookup through shared memory."""
+    kb = _mma_block(n_levels, g)
+    if lut_unit(n_levels, g) and (g % kb == 0 or kb % g == 0):
+        nblk = -(-ng * g // kb)
+        s = 2 if n >= 16384 else 4
+        while s > 1 and 2 * s > nblk:
+            s //= 2
+        return 16, s, 1, -(-nblk // s) > 2
     geo = unit_geometry(n_levels, g)
     bk = geo["UPG_P"] * geo["PER_P"]
     bn = min(64 if n >= 8192 else 32, 8192 // bk)
@@ -1075,15 +1668,44 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
 def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
              group_size: int, out_dtype: torch.dtype, config=None, block_m: int = 16) -> torch.Tensor:
     """`(M, n_groups*G)` rotated activations (bf16/fp16; float32 in the interpreter) times the packed
-    weight on the tensor cores -> `(M, rows)` in out_dtype."""
+    weight on the tensor cores -> `(M, rows)` in out_dtype.
+
+    2-, 3- and 4-bit codebooks: `_gemv_mma_kernel`, the codebook values rounded to the activations' 16-bit
+    type (bfloat16; float16 when the activations, or in the interpreter out_dtype, are float16), activation
+    tiles of 8 rows for M <= 8, else 16. `config`: (BN, num_warps, num_stages[, prefetch[, maxnreg]]) as
+    `_dot_config` returns it (BN = 16, 32, 64 or 128); a fourth field that is not a bool (the select
+    kernel's lookup mask) is ignored. Ternary: `_gemv_dot_kernel`, config (BN, num_warps, num_stages[,
+    LUT mask]), `block_m` activation rows per program."""
     m = x_rot.shape[0]
     n, ng = norms.shape
     n_levels = codebook.numel()
-    geo = unit_geometry(n_levels, group_size)
-    bn, warps, stages, lut = _with_mask(config or _dot_config(n, ng, n_levels, group_size), n_levels)
     out = torch.empty(m, n, dtype=out_dtype, device=x_rot.device)
     if m == 0 or n == 0:
         return out
+    kb = _mma_block(n_levels, group_size)
+    if lut_unit(n_levels, group_size) and (group_size % kb == 0 or kb % group_size == 0):
+        default = _dot_config(n, ng, n_levels, group_size)
+        cfg = tuple(config or default)
+        bn, warps, stages = cfg[:3]
+        prefetch = cfg[3] if len(cfg) > 3 and isinstance(cfg[3], bool) else default[3]
+        opts = {"maxnreg": cfg[4]} if len(cfg) > 4 and cfg[4] else {}
+        f16 = (x_rot.dtype if x_rot.dtype != torch.float32 else out_dtype) == torch.float16
+        if not _interpreting() and x_rot.dtype not in (torch.bfloat16, torch.float16):
+            x_rot = x_rot.to(torch.float16 if f16 else torch.bfloat16)
+        if x_rot.stride(-1) != 1:
+            x_rot = x_rot.contiguous()
+        pdl = _pdl(x_rot.device)
+        if pdl:
+            opts["launch_pdl"] = True
+        bm = 8 if m <= 8 else 16
+        _gemv_mma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+            x_rot, _packed_view(packed, 1), norms, codebook, out, m, n, x_rot.stride(0), out.stride(0), NG=ng,
+            NLEV=n_levels, G=group_size, KB=kb, BN=bn, BM=bm, S=warps,
+            TUNED=_tuned(packed), F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(), PDL=pdl,
+            num_warps=warps, num_stages=stages, **opts)
+        return out
+    geo = unit_geometry(n_levels, group_size)
+    bn, warps, stages, lut = _with_mask(config or _dot_config(n, ng, n_levels, group_size), n_levels)
     pk = _packed_view(packed, geo["WPU"])
     grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
     _gemv_dot_kernel[grid](x_rot, pk, norms, codebook, out, m, n, ng, x_rot.stride(0), out.stride(0),
@@ -1124,6 +1746,121 @@ def _dequant_kernel(pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_on,
     tl.store(optr, w.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & kvalid[None, :])
 
 
+@triton.jit
+def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
+    """Eight same-shape tensors -> one with three more axes of 2, flattened in the order x0, x1, ..., x7 (each
+    `tl.join` adds the fastest axis, so the pairs are taken by the highest index bit first)."""
+    return tl.join(tl.join(tl.join(x0, x4), tl.join(x2, x6)), tl.join(tl.join(x1, x5), tl.join(x3, x7)))
+
+
+@triton.jit
+def _lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, TUNED: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    """`[R, U]` units of a 2-, 3- or 4-bit weight -> their float32 codebook values (from the `_byte_tables`,
+    16-bit precision) as `[R, U, 2, ..., 2]`: flattened, value j of unit u sits at `u * PER + j`, the
+    natural order of the inputs."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _lut8(_unit_nibbles(w0, w1, w2, 0, NLEV, TUNED), t0, t1, t2, t3, t4, t5, t6, t7,
+                                           NLEV, USE_ASM)
+    if NLEV == 16:
+        out = _join8(a0, a1, a2, a3, a4, a5, a6, a7)
+    else:
+        b0, b1, b2, b3, b4, b5, b6, b7 = _lut8(_unit_nibbles(w0, w1, w2, 1, NLEV, TUNED), t0, t1, t2, t3, t4, t5, t6,
+                                               t7, NLEV, USE_ASM)
+        if NLEV == 4:  # two chunks of eight: chunk is the slower of the two
+            out = _join8(tl.join(a0, b0), tl.join(a1, b1), tl.join(a2, b2), tl.join(a3, b3),
+                         tl.join(a4, b4), tl.join(a5, b5), tl.join(a6, b6), tl.join(a7, b7))
+        else:  # four chunks of eight (3-bit)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _lut8(_unit_nibbles(w0, w1, w2, 2, NLEV, TUNED), t0, t1, t2, t3, t4, t5,
+                                                   t6, t7, NLEV, USE_ASM)
+            e0, e1, e2, e3, e4, e5, e6, e7 = _lut8(_unit_nibbles(w0, w1, w2, 3, NLEV, TUNED), t0, t1, t2, t3, t4, t5,
+                                                   t6, t7, NLEV, USE_ASM)
+            out = _join8(tl.join(tl.join(a0, c0), tl.join(b0, e0)), tl.join(tl.join(a1, c1), tl.join(b1, e1)),
+                         tl.join(tl.join(a2, c2), tl.join(b2, e2)), tl.join(tl.join(a3, c3), tl.join(b3, e3)),
+                         tl.join(tl.join(a4, c4), tl.join(b4, e4)), tl.join(tl.join(a5, c5), tl.join(b5, e5)),
+                         tl.join(tl.join(a6, c6), tl.join(b6, e6)), tl.join(tl.join(a7, c7), tl.join(b7, e7)))
+    return out
+
+
+@triton.jit
+def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, out_ptr, N, K, stride_on, scale,
+                        NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, UPG: tl.constexpr,
+                        BR: tl.constexpr, TUNED: tl.constexpr, USE_ASM: tl.constexpr, UNROT: tl.constexpr):
+    """One program per BR consecutive (row, group) pairs of a 2-, 3- or 4-bit weight: their units are one
+    contiguous run, decoded with the byte-permute lookups and scaled by the group norms.
+
+    UNROT False: the rotated-basis weight `norm * codebook[idx]` (out is `(N, NG*G)`).
+    UNROT True: the weight itself, `D1 . H . D2 . (norm * codebook[idx]) / sqrt(G)` per group, the Walsh-Hadamard
+    product on the tensor cores (a +-1 matrix built in registers, the D2 signs folded into its rows); out is
+    `(N, K)`, so cuBLAS can multiply the activations as they are, with no rotation pass."""
+    WPU: tl.constexpr = 3 if NLEV == 8 else 1
+    NUT: tl.constexpr = NG * UPG
+    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV)
+    kk = tl.arange(0, G)
+    ru = tl.arange(0, UPG)
+    if UNROT:  # built once per program: the +-1 Sylvester entries (-1)^popcount(i & j), D2 folded into the rows
+        p = kk[:, None] & kk[None, :]
+        p = p ^ (p >> 4)
+        p = p ^ (p >> 2)
+        p = p ^ (p >> 1)
+        h = (1.0 - 2.0 * (p & 1).to(tl.float32)) * tl.load(s2_ptr + kk)[:, None]
+        if USE_ASM:
+            h = h.to(out_ptr.dtype.element_ty)
+        cscale = scale * tl.load(s1_ptr + kk)
+    RG = N * NG
+    for blk in tl.range(tl.program_id(0), tl.cdiv(RG, BR), tl.num_programs(0)):
+        r = blk * BR + tl.arange(0, BR)
+        rmask = r < RG
+        r = tl.minimum(r, RG - 1)  # clamped: loads stay in bounds, the extra rows are not stored
+        n = (r // NG).to(tl.int64)
+        g = r % NG
+        w0, w1, w2 = _load_units(pk_ptr, r[:, None] * UPG + ru[None, :], None, WPU, TUNED, n[:, None], NUT)
+        v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, USE_ASM), [BR, G])
+        v = v * tl.load(nrm_ptr + r).to(tl.float32)[:, None]
+        if UNROT:
+            if USE_ASM:  # 16-bit operands (+-1 entries are exact), float32 accumulation
+                y = tl.dot(v.to(out_ptr.dtype.element_ty), h)
+            else:  # (the interpreter: float32 throughout)
+                y = tl.dot(v, h, input_precision="ieee")
+            y = y * cscale[None, :]
+            col = g[:, None] * G + kk[None, :]
+            tl.store(out_ptr + n[:, None] * stride_on + col, y.to(out_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & (col < K))
+        else:
+            tl.store(out_ptr + n[:, None] * stride_on + g[:, None] * G + kk[None, :],
+                     v.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
+                   dtype: torch.dtype, signs1: torch.Tensor | None = None, signs2: torch.Tensor | None = None,
+                   in_features: int | None = None, block_rows: int = 64, warps: int = 4,
+                   programs: int = 0) -> torch.Tensor:
+    """A 2-, 3- or 4-bit weight decoded with the byte-permute lookups (codebook values at 16-bit precision) into
+    a 16-bit `dtype` (float32 in the interpreter): with `signs1`/`signs2` the weight itself, `(rows,
+    in_features)` (= `codec.dequantize_weight` within 16-bit rounding), without them the rotated-basis weight
+    `(rows, n_groups*G)` (= `codec.rotated_weight`)."""
+    n, ng = norms.shape
+    n_levels = codebook.numel()
+    per = lut_unit(n_levels, group_size)
+    if not per:
+        raise ValueError(f"the lookup dequantization serves 4-, 8- and 16-entry codebooks, not {n_levels}")
+    unrot = signs1 is not None
+    width = in_features if unrot else ng * group_size
+    out = torch.empty(n, width, dtype=dtype, device=packed.device)
+    if n == 0 or ng == 0:
+        return out
+    if unrot:
+        signs1, signs2 = _f32(signs1), _f32(signs2)
+    else:
+        signs1 = signs2 = norms  # (unused)
+    pk = _packed_view(packed, 1)
+    grid = (min(triton.cdiv(n * ng, block_rows), programs or _sm_count(packed.device) * 4),)
+    _dequant_lut_kernel[grid](pk, norms.contiguous(), _f32(codebook), signs1, signs2, out, n, width, out.stride(0),
+                              1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
+                              UPG=group_size // per, BR=block_rows, TUNED=_tuned(packed),
+                              USE_ASM=not _interpreting(), UNROT=unrot, num_warps=warps)
+    return out
+
+
 def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
                        dtype: torch.dtype) -> torch.Tensor:
     """The weight in the rotated basis, `(rows, n_groups*G)` in `dtype` (= `codec.rotated_weight`)."""
@@ -1148,13 +1885,33 @@ def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torc
 # ---------------------------------------------------------------------------
 
 _PDL_DEVICES: dict = {}
+_SM_COUNTS: dict = {}
 
 
-def _pdl(device: torch.device) -> bool:
-    """Whether the rotation and the LUT GEMV after it use programmatic dependent launch on `device`: the GEMV's
-    launch and prologue overlap the rotation's run (CUDA, compute capability >= 9.0, a Triton with the
-    intrinsics, not the interpreter; `TURBOQUANT_PDL=0` turns it off)."""
-    if device.type != "cuda" or not _HAS_GDC or _interpreting():
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA `device` (8 elsewhere: the interpreter)."""
+    if device.type != "cuda":
+        return 8
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNTS:
+        _SM_COUNTS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNTS[key]
+
+
+# Longest rotated row (n_groups * G) whose rotation and GEMV use programmatic dependent launch. Measured on an
+# H200 (3-bit, CUDA graphs): rows of 4096 gain 0.6 us a call at M = 1 (4096x4096 8.3 -> 7.7 us, 4096->1024
+# 5.1 -> 4.5); rows of 14336 and 28672 lose 2 and 6 us, and rows of 8192 (8192->28672) ran 15 us over the
+# rotation plus the GEMV at M = 1 and 80 us at M = 2 (the GEMV's first wave, placed while the rotation still
+# holds SMs, ends unevenly).
+PDL_MAX_K = 4096
+
+
+def _pdl(device: torch.device, k: int = 0) -> bool:
+    """Whether the rotation and the LUT GEMV after it use programmatic dependent launch on `device` for rows of
+    `k` rotated inputs: the GEMV's launch and prologue overlap the rotation's run (CUDA, compute capability
+    >= 9.0, a Triton with the intrinsics, not the interpreter, k <= PDL_MAX_K; `TURBOQUANT_PDL=0` turns it
+    off)."""
+    if device.type != "cuda" or not _HAS_GDC or k > PDL_MAX_K or _interpreting():
         return False
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _PDL_DEVICES:
@@ -1215,7 +1972,10 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
         xr = x_rot.float().contiguous() if _interpreting() else x_rot.to(out_dtype).contiguous()
         return gemv_dot(xr, packed, norms, codebook, group_size, out_dtype)
     xr = x_rot.to(out_dtype if sixteen else torch.float32).contiguous()
-    w = dequantize_rotated(packed, norms, codebook, group_size, xr.dtype)
+    if sixteen and unit and not _interpreting():
+        w = dequantize_lut(packed, norms, codebook, group_size, xr.dtype)
+    else:
+        w = dequantize_rotated(packed, norms, codebook, group_size, xr.dtype)
     y = torch.nn.functional.linear(xr, w)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
@@ -1245,6 +2005,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
         # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
         x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt)
         y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt)
+    elif sixteen and unit:
+        # prefill: the weight itself into a scratch buffer (its rotation undone on the tensor cores), then cuBLAS
+        # on the activations as they are: one kernel fewer than rotating them
+        w = dequantize_lut(packed, norms, codebook, group_size, torch.float32 if _interpreting() else dt, s1, s2,
+                           in_features)
+        y = torch.nn.functional.linear(x2 if not _interpreting() else x2.float(), w).to(dt)
     else:
         x_rot = rotate(x2, s1, s2, group_size, dt if sixteen else torch.float32)
         w = dequantize_rotated(packed, norms, codebook, group_size, x_rot.dtype)
