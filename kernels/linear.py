@@ -1717,7 +1717,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
 
 
 # ---------------------------------------------------------------------------
-# 2c. prefill: rotated-basis weight into a scratch buffer, then cuBLAS
+# 2c. prefill: the weight (or, for ternary and float32, the rotated-basis weight) into a scratch buffer, then cuBLAS
 # ---------------------------------------------------------------------------
 
 @triton.jit
