@@ -620,10 +620,21 @@ def _pattern(c):
 
 
 @triton.jit
-def _byte_tables(cb_ptr, NLEV: tl.constexpr):
+def _entry_pattern(c, PAIRS: tl.constexpr):
+    if PAIRS == 0:
+        p = _pattern(c)
+    else:
+        p = _mma_pattern(c, PAIRS == 2)
+    return p
+
+
+@triton.jit
+def _byte_tables(cb_ptr, NLEV: tl.constexpr, PAIRS: tl.constexpr = 0):
     """The codebook (NLEV <= 16 entries) as eight uint32 byte tables: low bytes of entries 0-3, 4-7, high
-    bytes of entries 0-3, 4-7, then the same for entries 8-15 (missing entries are zero)."""
-    t0 = _pattern(tl.load(cb_ptr).to(tl.float32))
+    bytes of entries 0-3, 4-7, then the same for entries 8-15 (missing entries are zero). The 16-bit pattern
+    of an entry: PAIRS 0, the P with float32((P << 16) | P) nearest to it (the LUT GEMV's float32 values);
+    1, its bfloat16 and 2, its float16 encoding (the tensor-core GEMV's 16-bit pairs)."""
+    t0 = _entry_pattern(tl.load(cb_ptr).to(tl.float32), PAIRS)
     t1 = t0 & 0
     t2 = t0 >> 8
     t3 = t1
@@ -634,7 +645,7 @@ def _byte_tables(cb_ptr, NLEV: tl.constexpr):
     t0 = t0 & 0xFF
     for i in tl.static_range(1, 16):
         if i < NLEV:
-            p = _pattern(tl.load(cb_ptr + i).to(tl.float32))
+            p = _entry_pattern(tl.load(cb_ptr + i).to(tl.float32), PAIRS)
             lo = (p & 0xFF) << (8 * (i % 4))
             hi = (p >> 8) << (8 * (i % 4))
             if i < 4:
@@ -1123,39 +1134,6 @@ def _mma_pattern(c, F16: tl.constexpr):
 
 
 @triton.jit
-def _mma_tables(cb_ptr, NLEV: tl.constexpr, F16: tl.constexpr):
-    """The codebook's 16-bit patterns as eight uint32 byte tables: low bytes of entries 0-3, 4-7, high bytes
-    of entries 0-3, 4-7, then the same for entries 8-15 (missing entries are zero)."""
-    t0 = _mma_pattern(tl.load(cb_ptr).to(tl.float32), F16)
-    t1 = t0 & 0
-    t2 = t0 >> 8
-    t3 = t1
-    t4 = t1
-    t5 = t1
-    t6 = t1
-    t7 = t1
-    t0 = t0 & 0xFF
-    for i in tl.static_range(1, 16):
-        if i < NLEV:
-            p = _mma_pattern(tl.load(cb_ptr + i).to(tl.float32), F16)
-            lo = (p & 0xFF) << (8 * (i % 4))
-            hi = (p >> 8) << (8 * (i % 4))
-            if i < 4:
-                t0 = t0 | lo
-                t2 = t2 | hi
-            elif i < 8:
-                t1 = t1 | lo
-                t3 = t3 | hi
-            elif i < 12:
-                t4 = t4 | lo
-                t6 = t6 | hi
-            else:
-                t5 = t5 | lo
-                t7 = t7 | hi
-    return t0, t1, t2, t3, t4, t5, t6, t7
-
-
-@triton.jit
 def _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.constexpr):
     """The eight codebook values of the indices in the nibbles of uint32 `d` (3-bit fields for codebooks of
     up to 8 entries, 4-bit for 16) as four uint32 pairs of 16-bit patterns: values (0, 1), (2, 3), (4, 5),
@@ -1525,7 +1503,7 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
     MH: tl.constexpr = BM // 8
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _mma_tables(cb_ptr, NLEV, F16)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2 if F16 else 1)
     # weight tile axes (h, a, s, l, t, r): row 16 a + 8 h + l, block i S + s, unit ub of the block. Lanes 1
     # and 2 swap units, so that no lane holds two consecutive units' words (no vector load across lanes).
     ah = tl.arange(0, 2)[:, None, None, None, None, None]
