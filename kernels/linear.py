@@ -969,8 +969,9 @@ def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stri
     tl.store(out_ptr + m * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-# Largest M served by the LUT GEMV (above it the tensor-core GEMV or dequantize + cuBLAS).
-LUT_MAX_M = 2
+# Largest M served by the LUT GEMV (above it the tensor-core GEMV or dequantize + cuBLAS): at M = 2 the
+# tensor-core GEMV was faster on three of the four large benchmark shapes (H200).
+LUT_MAX_M = 1
 
 
 def lut_unit(n_levels: int, group_size: int | None = None) -> int:
@@ -1396,31 +1397,61 @@ def _mma_norm_load(p, mask):
 
 
 @triton.jit
-def _mma_norms16(p, mask, NG: tl.constexpr, A: tl.constexpr, A0: tl.constexpr):
-    """Norms of rows 16 (A0 + a) + i, a < A (1, 2 or 4), as `[S, 16, 2, ...]` (the new axes: bits of a)."""
-    nr = _mma_norm_load(p + (16 * A0) * NG, mask)
+def _mma_norm16(p, rows, N, mask, NG: tl.constexpr, A0: tl.constexpr):
+    return _mma_norm_load(p + tl.minimum(rows + 16 * A0, N - 1) * NG, mask)
+
+
+@triton.jit
+def _mma_norms16(p, rows, N, mask, NG: tl.constexpr, A: tl.constexpr, A0: tl.constexpr):
+    """Norms of rows `rows` + 16 (A0 + a), a < A (1, 2 or 4; rows clamped to N - 1), as `[S, 16, 2, ...]` (the
+    new axes: bits of a)."""
+    nr = _mma_norm16(p, rows, N, mask, NG, A0)
     if A >= 2:
-        nr = tl.join(nr, _mma_norm_load(p + (16 * A0 + 16) * NG, mask))
+        nr = tl.join(nr, _mma_norm16(p, rows, N, mask, NG, A0 + 1))
     if A == 4:
-        nr = tl.join(nr, tl.join(_mma_norm_load(p + (16 * A0 + 32) * NG, mask),
-                                 _mma_norm_load(p + (16 * A0 + 48) * NG, mask)))
+        nr = tl.join(nr, tl.join(_mma_norm16(p, rows, N, mask, NG, A0 + 2), _mma_norm16(p, rows, N, mask, NG, A0 + 3)))
     return nr
 
 
 @triton.jit
-def _mma_norm_rows(p, mask, NG: tl.constexpr, A: tl.constexpr):
-    """`[S, 16 A]` norms of rows 16 a + i from pointers `p` `[S, 16]` of rows i: A loads of 16 rows each (a
-    load that small is read straight in the layout of the product's rows, with no conversion)."""
+def _mma_norm_rows(p, rows, N, mask, NG: tl.constexpr, A: tl.constexpr):
+    """`[S, 16 A]` norms of rows `rows` + 16 a (`rows` `[S, 16]`, each load clamped to row N - 1) at column
+    pointers `p` `[S, 1]`: A loads of 16 rows each (a load that small is read straight in the layout of the
+    product's rows, with no conversion)."""
     S: tl.constexpr = p.shape[0]
     if A == 1:
-        nr = _mma_norms16(p, mask, NG, 1, 0)
+        nr = _mma_norms16(p, rows, N, mask, NG, 1, 0)
     elif A == 2:
-        nr = tl.reshape(tl.permute(_mma_norms16(p, mask, NG, 2, 0), (0, 2, 1)), [S, 32])
+        nr = tl.reshape(tl.permute(_mma_norms16(p, rows, N, mask, NG, 2, 0), (0, 2, 1)), [S, 32])
     elif A == 4:
-        nr = tl.reshape(tl.permute(_mma_norms16(p, mask, NG, 4, 0), (0, 3, 2, 1)), [S, 64])
+        nr = tl.reshape(tl.permute(_mma_norms16(p, rows, N, mask, NG, 4, 0), (0, 3, 2, 1)), [S, 64])
     else:
-        nr = tl.join(_mma_norms16(p, mask, NG, 4, 0), _mma_norms16(p, mask, NG, 4, 4))
+        nr = tl.join(_mma_norms16(p, rows, N, mask, NG, 4, 0), _mma_norms16(p, rows, N, mask, NG, 4, 4))
         nr = tl.reshape(tl.permute(nr, (0, 4, 3, 2, 1)), [S, 128])
+    return nr
+
+
+@triton.jit
+def _mma_x(xrow, blk, xub, UPB: tl.constexpr, NUT: tl.constexpr, PER: tl.constexpr, EVEN: tl.constexpr,
+           PART: tl.constexpr):
+    """The activations of blocks `blk` (clamped to the last unless EVEN) as the flat tile of `_gemv_mma_kernel`."""
+    NBLK: tl.constexpr = (NUT + UPB - 1) // UPB
+    if not EVEN:
+        blk = tl.minimum(blk, NBLK - 1)
+    xun = blk * UPB + xub
+    if PART:
+        xun = tl.minimum(xun, NUT - 1)
+    return tl.load(xrow + xun * PER)
+
+
+@triton.jit
+def _mma_block_norms(nrm_ptr, nb, nrow, N, NBLK: tl.constexpr, UPB: tl.constexpr, UPG: tl.constexpr,
+                     NG: tl.constexpr, A: tl.constexpr, EVEN: tl.constexpr):
+    """`[S, BN]` norms of blocks `nb` `[S, 1]` (zero past the row's end unless EVEN) of rows `nrow` + 16 a."""
+    if EVEN:
+        nr = _mma_norm_rows(nrm_ptr + (nb * UPB) // UPG, nrow, N, None, NG, A)
+    else:
+        nr = _mma_norm_rows(nrm_ptr + (nb * UPB) // UPG, nrow, N, nb < NBLK, NG, A)
     return nr
 
 
@@ -1481,8 +1512,9 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
     at the end. Per block a warp decodes its `[BN, KB]` tile in operand order (see the helpers above), reads
     the matching `[KB, BM]` activations and runs one dot (float32 accumulation), scaled by the group norms
     per block (KB <= G), or, when a block spans two groups (3-bit, G = 64), with the norms folded into the
-    16-bit values before the dot. PREFETCH: the next block's words are loaded before this block is decoded
-    (the first block's, as with a single block per warp, before waiting for the previous kernel: PDL).
+    16-bit values before the dot. PREFETCH (1 or 2): the next block's words (2: and its activations and
+    norms) are loaded before this block is decoded (the first block's words, as with a single block per warp,
+    before waiting for the previous kernel: PDL).
     (A 3-D dot is lowered to `mma.sync`, both operands in registers; a 2-D one would take wgmma on sm_90,
     which reads B from shared memory and waits for each group's result.)
 
@@ -1527,7 +1559,7 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
     xub = ((xt & 1) * 2 + (xt >> 1)) * R + xr
     xrow = xr_ptr + tl.minimum(pid_m * BM + 8 * xh + xg, M - 1) * stride_xm + 8 * xv + xc
     # norms (per block): [S, BN] as A loads of [S, 16]
-    nrow = tl.minimum(pid_n * BN + tl.arange(0, 16), N - 1)[None, :] * NG
+    nrow = pid_n * BN + tl.arange(0, 16)[None, :]  # (rows 16 a + i: clamped per load)
     ns = tl.arange(0, S)[:, None]
     acc = tl.zeros([S, BN, BM], dtype=tl.float32)
     AHEAD: tl.constexpr = PREFETCH or ITERS == 1  # the first block's words are read before the loop
@@ -1541,6 +1573,12 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
         w0, w1, w2 = _mma_words(pk_ptr, row, un, NUT, WPU, TUNED)
     if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
         gdc_wait()
+    XAHEAD: tl.constexpr = PREFETCH == 2  # activations and norms also a block ahead
+    if XAHEAD:
+        xn = _mma_x(xrow, tl.minimum(xs, NBLK - 1), xub, UPB, NUT, PER, True, PART)
+        nrn = tl.zeros([S, BN], dtype=tl.float32)  # (FOLD: unused)
+        if not FOLD:
+            nrn = _mma_block_norms(nrm_ptr, tl.minimum(ns, NBLK - 1), nrow, N, NBLK, UPB, UPG, NG, A, True)
     for i in range(ITERS):
         if not AHEAD or ITERS > 1:
             if AHEAD:
@@ -1580,25 +1618,28 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
         else:
             v = tl.permute(v, (2, 1, 0, 3, 5, 7, 6, 4))
         w = tl.reshape(_mma_values(tl.reshape(v, [S, BN, KB // 2]), F16, USE_ASM), [S, BN, KB])
-        xbw = i * S + xs
-        if not EVEN:
-            xbw = tl.minimum(xbw, NBLK - 1)
-        xun = xbw * UPB + xub
-        if PART:
-            xun = tl.minimum(xun, NUT - 1)
+        if XAHEAD:  # this block's activations and norms were read during the previous one
+            xa = xn
+            nr = nrn
+            if ITERS > 1:
+                xn = _mma_x(xrow, tl.minimum((i + 1) * S + xs, NBLK - 1), xub, UPB, NUT, PER, True, PART)
+                if not FOLD:
+                    nrn = _mma_block_norms(nrm_ptr, tl.minimum((i + 1) * S + ns, NBLK - 1), nrow, N, NBLK, UPB, UPG,
+                                           NG, A, True)
+        else:
+            xa = _mma_x(xrow, i * S + xs, xub, UPB, NUT, PER, EVEN, PART)
         # axes (v, mh, r, s, mg, t, c) -> c = 2 q' + e, q = q' + 4 v -> s mh mg r v q' t e
-        xa = tl.reshape(tl.load(xrow + xun * PER), [PER // 8, MH, R, S, 8, 4, 4, 2])
+        xa = tl.reshape(xa, [PER // 8, MH, R, S, 8, 4, 4, 2])
         xa = tl.permute(xa, (3, 1, 4, 2, 0, 6, 5, 7))
         xk = tl.permute(tl.reshape(xa, [S, BM, KB]), (0, 2, 1))
         if FOLD:
             acc = tl.dot(w, xk, acc)
         else:
             part = tl.dot(w, xk)
-            nb = i * S + ns
-            if EVEN:
-                nr = _mma_norm_rows(nrm_ptr + nrow + (nb * UPB) // UPG, None, NG, A)
-            else:
-                nr = _mma_norm_rows(nrm_ptr + nrow + (nb * UPB) // UPG, nb < NBLK, NG, A)
+            if not XAHEAD:
+                nr = _mma_block_norms(nrm_ptr, i * S + ns, nrow, N, NBLK, UPB, UPG, NG, A, EVEN)
+            elif not EVEN:  # (the block read ahead was clamped to the last: blocks past the end get zero norms)
+                nr = tl.where(i * S + ns < NBLK, nr, 0.0)
             acc += part * nr[:, :, None]
         if AHEAD and ITERS > 1:
             w0 = n0
@@ -1622,21 +1663,23 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     """Launch configuration of the tensor-core GEMV, from the weight shape only (never from M).
 
     2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch). BN = 16 weight rows per
-    program (one m16 tile per warp), num_warps = S warps splitting the row's blocks: 4, or 2 from 16384 rows
-    up, halved while it exceeds half the blocks. From a sweep on an H200 (3-bit, G = 128, M = 16 and 4, the benchmark
-    shapes): more warps per program (8, 16) and more rows (32, 64) were slower on every shape. Prefetch (the
-    next block's words loaded a block ahead) when a warp runs more than two blocks. One stage: the loop is
-    pipelined by hand, and Triton's pipelining would stage the operands through shared memory.
+    program (one m16 tile per warp), num_warps = S warps splitting the row's blocks: 1 from 8192 rows up, else 2
+    (halved while it exceeds half the blocks); prefetch 1 (the next block's words a block ahead) for rows of more
+    than 16 blocks, else 2 (its activations and norms too). From a sweep on an H200 (3-bit, G = 128, M = 2, 4
+    and 16, the benchmark shapes; 2- and 4-bit at M = 16 agree): one warp per program was 1.5-1.6x faster
+    than two or four on the 8192- to 28672-row shapes, and more rows per program (32), prefetch 2 for long rows
+    and 4 warps were slower. One stage: the loop is pipelined by hand, and Triton's pipelining would stage the
+    operands through shared memory.
 
     Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
     every codebook lookup through shared memory."""
     kb = _mma_block(n_levels, g)
     if lut_unit(n_levels, g) and (g % kb == 0 or kb % g == 0):
         nblk = -(-ng * g // kb)
-        s = 2 if n >= 16384 else 4
+        s = 1 if n >= 8192 else 2
         while s > 1 and 2 * s > nblk:
             s //= 2
-        return 16, s, 1, -(-nblk // s) > 2
+        return 16, s, 1, 1 if nblk > 16 else 2
     geo = unit_geometry(n_levels, g)
     bk = geo["UPG_P"] * geo["PER_P"]
     bn = min(64 if n >= 8192 else 32, 8192 // bk)
@@ -1665,7 +1708,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
         default = _dot_config(n, ng, n_levels, group_size)
         cfg = tuple(config or default)
         bn, warps, stages = cfg[:3]
-        prefetch = cfg[3] if len(cfg) > 3 and isinstance(cfg[3], bool) else default[3]
+        prefetch = int(cfg[3]) if len(cfg) > 3 and cfg[3] in (0, 1, 2) else default[3]
         opts = {"maxnreg": cfg[4]} if len(cfg) > 4 and cfg[4] else {}
         f16 = (x_rot.dtype if x_rot.dtype != torch.float32 else out_dtype) == torch.float16
         if not _interpreting() and x_rot.dtype not in (torch.bfloat16, torch.float16):

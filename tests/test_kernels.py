@@ -257,12 +257,15 @@ def _mma_case(L, bits, g, n, k, m, runtime, f16=False, cfgs=(None,), seed=0):
 def test_mma_gemv_matches_reference(L, bits, g):
     """`_gemv_mma_kernel`: both layouts (2 and 3 bits), M = 3 and 13 (8- and 16-row activation tiles), rows not
     a multiple of BN, block counts not a multiple of the warps (and, 3-bit G=64, half a last block), prefetch
-    on and off, BN = 16 and 32, 1 to 4 warps; float16 tables."""
+    on and off, and (2) for the activations and norms too, BN = 16 and 32 (the norms of rows past the last read
+    clamped), 1 to 4 warps; float16 tables."""
     n, k = 40, 300 if g == 64 else 330  # 5 / 3 groups
     for runtime in ((False, True) if bits in (2, 3) else (False,)):
-        for m, cfgs in ((3, (None, (32, 2, 1, True))), (13, ((16, 4, 1, False), (16, 1, 1, False)))):
+        for m, cfgs in ((3, (None, (32, 2, 1, True), (16, 4, 1, 2))),
+                        (13, ((16, 4, 1, False), (16, 1, 1, False), (16, 2, 1, 2)))):
             outs = _mma_case(L, bits, g, n, k, m, runtime, cfgs=cfgs, seed=7 * bits + g + m)
-            assert _rel(outs[1], outs[0]) < 1e-6  # (the warps split the sum differently)
+            for y in outs[1:]:
+                assert _rel(y, outs[0]) < 1e-6  # (the warps split the sum differently)
     _mma_case(L, bits, g, n, k, 5, bits in (2, 3), f16=True, seed=3)
 
 
