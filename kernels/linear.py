@@ -1415,7 +1415,7 @@ def _mma_norms16(p, rows, N, mask, NG: tl.constexpr, A: tl.constexpr, A0: tl.con
 
 @triton.jit
 def _mma_norm_rows(p, rows, N, mask, NG: tl.constexpr, A: tl.constexpr):
-    """`[S, 16 A]` norms of rows `rows` + 16 a (`rows` `[S, 16]`, each load clamped to row N - 1) at column
+    """`[S, 16 A]` norms of rows `rows` + 16 a (`rows` `[1, 16]`, each load clamped to row N - 1) at column
     pointers `p` `[S, 1]`: A loads of 16 rows each (a load that small is read straight in the layout of the
     product's rows, with no conversion)."""
     S: tl.constexpr = p.shape[0]
