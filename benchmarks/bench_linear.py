@@ -14,7 +14,7 @@ not serve them; M <= 16 is timed as CUDA-graph replays of one call per buffer
 M with CUDA events around eager calls; the median of many repeats. Every timed
 output is checked against the plain-torch reference (`ops.rotate_activations`
 + `ops.codebook_matmul`, float32) before timing, and the graph's outputs again
-after timing. Bandwidth counts the packed bytes plus the float32 norms (ours)
+after timing. Bandwidth counts the packed bytes plus the norms (ours)
 and the bf16 weight (cuBLAS), read once per call.
 
 The peer (turboquant-plus-vllm 0.13.12) reads the same tq3_native tensors
@@ -123,15 +123,19 @@ class Case:
         self.k, self.n, self.bits, self.g = k, n, bits, g
         self.packed, self.norms = codec.quantize_weight(w, bits, g)
         self.nl = fmt.levels_for_bits(bits)
-        # ours runs on what TurboQuantLinear holds on a GPU: the runtime layout where the tier has one
+        self.norms = self.norms.to(fmt.default_norms_dtype(self.nl))  # as TurboQuantWeight stores them
+        # ours runs on what TurboQuantLinear holds on a GPU: the runtime layout where the tier has one (ternary:
+        # 2-bit codes read with the 4-entry codebook)
         self.ours = (layout.to_runtime(self.packed, self.nl, g, self.norms.shape[1])
-                     if layout.supports(self.nl, g) else self.packed)
+                     if layout.wanted(self.nl, g) else self.packed)
         self.layout = "runtime" if layout.is_runtime(self.ours) else "published"
         self.cb = fmt.codebook(self.nl, g, DEV)
+        self.cb_ours = layout.pairs_codebook(self.cb) if self.layout == "runtime" and self.nl == 3 else self.cb
         self.s1, self.s2 = fmt.signs(g, DEV)
         self.w16 = w.to(torch.bfloat16)
         del w
-        self.qbytes = self.packed.numel() + self.norms.numel() * 4
+        # the bytes ours reads: packed indices in its layout and the norms
+        self.qbytes = self.ours.numel() * self.ours.element_size() + self.norms.numel() * self.norms.element_size()
         self.bbytes = self.w16.numel() * 2
 
     def buffers(self, m: int, published: bool = False):
@@ -293,10 +297,10 @@ def bench_case(case: Case, m: int, tol: float = 1e-2, peer: bool = True) -> dict
 
     def ours(i, p, nr):
         def f():
-            outs[i] = torch.ops.turboquant.linear(x, p, nr, case.cb, case.s1, case.s2, case.g, case.k)
+            outs[i] = torch.ops.turboquant.linear(x, p, nr, case.cb_ours, case.s1, case.s2, case.g, case.k)
         return f
 
-    y = torch.ops.turboquant.linear(x, qbufs[0][0], qbufs[0][1], case.cb, case.s1, case.s2, case.g, case.k)
+    y = torch.ops.turboquant.linear(x, qbufs[0][0], qbufs[0][1], case.cb_ours, case.s1, case.s2, case.g, case.k)
     err = rel_err(y, ref)
     if not err < tol:
         raise SystemExit(f"WRONG RESULT before timing: K={case.k} N={case.n} bits={case.bits} M={m} rel_err={err}")
@@ -452,9 +456,10 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
            "ours is 2 kernels: rotate + GEMV), M = 2048 eager with CUDA events; median of 30; every output checked "
            "against the float32 torch reference before and after timing (rel. error column). Ours reads the packed "
            "indices in the layout TurboQuantLinear holds on a GPU (2- and 3-bit: the runtime layout, "
-           "`turboquant_hf.layout`, same bytes rearranged; 4-bit and ternary: the published bytes); the peer "
-           "always gets the published bytes.",
-           "- ratio = bf16 time / ours (> 1: ours faster). GB/s counts packed bytes + float32 norms (ours) and the "
+           "`turboquant_hf.layout`, same bytes rearranged; ternary: the runtime layout's 2-bit codes, 32 instead of 26 "
+           "bytes per group; 4-bit: the published bytes) and the norms in the dtype it stores (float16 for ternary, "
+           "else float32); the peer always gets the published bytes.",
+           "- ratio = bf16 time / ours (> 1: ours faster). GB/s counts the packed bytes ours reads + norms and the "
            "bf16 weight (cuBLAS); the measured copy ceiling on this card is about 4300 GB/s.",
            f"- peer: {env.get('peer', 'n/a')}, its Triton kernels only (no vLLM), fed the same packed/norms "
            "buffers, codebook and seed-42 signs as ours, timed and checked the same way; the kernel is the one its "
@@ -535,9 +540,10 @@ def main() -> int:
         label, k, n = next((s for s in shapes if s[1] == 8192), shapes[0])
         for bits in (fmt.TERNARY, 2, 4):
             case = Case(k, n, bits)
-            r = bench_case(case, 1, peer=run_peer)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+            for m in [v for v in ms if v <= 16]:
+                r = bench_case(case, m, peer=run_peer)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
             del case
             torch.cuda.empty_cache()
         command = "python " + " ".join(sys.argv)

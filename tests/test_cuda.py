@@ -58,11 +58,14 @@ def test_quantizer_bytes_equal_on_gpu_and_cpu(bits, group_size):
         assert torch.equal(gpu[0].cpu(), cpu[0]) and torch.equal(gpu[1].cpu(), cpu[1]), src.dtype
 
 
-@pytest.mark.parametrize("bits", [1.58, 2, 3, 4])
-def test_linear_module_on_gpu_matches_cpu(bits):
-    """Each tier through TurboQuantLinear (ternary keeps float16 norms) on CUDA equals the CPU reference."""
+@pytest.mark.parametrize("bits,compact", [(1.58, False), (1.58, True), (2, False), (3, False), (4, False)])
+def test_linear_module_on_gpu_matches_cpu(bits, compact, monkeypatch):
+    """Each tier through TurboQuantLinear (ternary keeps float16 norms) on CUDA equals the CPU reference;
+    ternary both in its runtime layout (2-bit codes) and, with TURBOQUANT_COMPACT_TERNARY=1, in its bytes."""
     from turboquant_hf.modules import quantize_linear_
 
+    if compact:
+        monkeypatch.setenv("TURBOQUANT_COMPACT_TERNARY", "1")
     torch.manual_seed(0)
     layer = TurboQuantLinear(300, 96, bias=True, bits=bits, group_size=128)
     quantize_linear_(layer, torch.randn(96, 300) * 0.05)
@@ -72,8 +75,8 @@ def test_linear_module_on_gpu_matches_cpu(bits):
     published = layer.weight.tq_packed.clone()
     gpu = layer.to("cuda")
     assert gpu.weight.tq_norms.dtype == (torch.float16 if bits == 1.58 else torch.float32)
-    assert gpu.weight.runtime_layout == (bits in (2, 3))
-    for m in (1, 5):
+    assert gpu.weight.runtime_layout == (bits in (1.58, 2, 3) and not compact)
+    for m in (1, 5, 17):
         out = gpu(x[:m].cuda()).cpu()
         assert torch.allclose(out, ref[:m], rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (bits, m)
     assert torch.equal(gpu.to("cpu").weight.tq_packed, published)  # back off the GPU: the published bytes

@@ -1,6 +1,6 @@
-"""The runtime layout of packed 2- and 3-bit indices (`turboquant_hf.layout`) and how modules keep it out
-of checkpoints: exact round trips, the documented bit positions, and a module whose packed tensor is in
-the runtime layout (as on a GPU) still computing, saving, reloading and dequantizing as the published one."""
+"""The runtime layout of packed ternary, 2- and 3-bit indices (`turboquant_hf.layout`) and how modules keep
+it out of checkpoints: exact round trips, the documented bit positions, and a module whose packed tensor is
+in the runtime layout (as on a GPU) still computing, saving, reloading and dequantizing as the published one."""
 
 import pytest
 import torch
@@ -10,14 +10,15 @@ from turboquant_hf import format as fmt
 from turboquant_hf.modules import quantize_linear_
 
 
-@pytest.mark.parametrize("n_levels,g", [(4, 64), (4, 128), (8, 64), (8, 128), (8, 256)])
+@pytest.mark.parametrize("n_levels,g", [(3, 64), (3, 128), (4, 64), (4, 128), (8, 64), (8, 128), (8, 256)])
 def test_round_trip_and_bit_positions(n_levels, g):
     rows, ng = 7, 3
     gen = torch.Generator().manual_seed(n_levels * g)
     idx = torch.randint(0, n_levels, (rows * ng, g), generator=gen)
     packed = codec.pack_indices(idx, n_levels)
     rt = layout.to_runtime(packed, n_levels, g, ng)
-    assert rt.dtype == torch.int32 and rt.shape == (rows * ng, packed.shape[1] // 4)
+    words_per_group = g // 16 if n_levels == 3 else packed.shape[1] // 4  # (ternary: 2 bits a digit)
+    assert rt.dtype == torch.int32 and rt.shape == (rows * ng, words_per_group)
     assert torch.equal(layout.to_published(rt, n_levels, g, ng), packed)
     assert layout.published(packed, n_levels, g, ng) is packed
 
@@ -28,7 +29,7 @@ def test_round_trip_and_bit_positions(n_levels, g):
     want = idx.view(rows, nut, per)
     got = torch.empty_like(want)
     for j in range(per):
-        if n_levels == 4:
+        if n_levels in (3, 4):
             got[:, :, j] = (words >> (4 * j if j < 8 else 4 * (j - 8) + 2)) & 3
         elif j < 24:
             p, n = divmod(j, 8)
@@ -40,15 +41,21 @@ def test_round_trip_and_bit_positions(n_levels, g):
 
 
 def test_layouts_that_do_not_exist_are_refused():
-    assert not layout.supports(16, 128) and not layout.supports(3, 128) and not layout.supports(8, 16)
+    assert not layout.supports(16, 128) and not layout.supports(8, 16) and not layout.supports(3, 8)
     packed = codec.pack_indices(torch.zeros(2, 128, dtype=torch.long), 16)
     with pytest.raises(ValueError, match="no runtime layout"):
         layout.to_runtime(packed, 16, 128, 1)
     with pytest.raises(TypeError, match="uint8"):
         layout.to_runtime(torch.zeros(2, 12, dtype=torch.int32), 8, 128, 1)
+    # a 2-bit code 3 is no base-3 digit: such words are not a ternary weight's, and are never saved as one
+    bad = torch.full((2, 8), -1, dtype=torch.int32)  # every code 3
+    with pytest.raises(ValueError, match="code 3"):
+        layout.to_published(bad, 3, 128, 1)
+    with pytest.raises(ValueError, match="ternary codebook"):
+        layout.pairs_codebook(fmt.codebook(4, 128))
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", [fmt.TERNARY, 2, 3])
 def test_module_in_runtime_layout_computes_saves_and_reloads_the_published_bytes(bits):
     torch.manual_seed(bits)
     lin = TurboQuantLinear(300, 40, bias=False, bits=bits, group_size=64)
@@ -78,12 +85,54 @@ def test_module_in_runtime_layout_computes_saves_and_reloads_the_published_bytes
     assert not w.runtime_layout and torch.equal(w.tq_packed, published)
 
 
-def test_non_tunable_tiers_stay_published():
+def test_non_tunable_tiers_stay_published(monkeypatch):
     lin = TurboQuantLinear(256, 16, bias=False, bits=4, group_size=128)
     quantize_linear_(lin, torch.randn(16, 256))
     assert not lin.weight.use_runtime_layout_()  # (on CPU nothing changes either)
     assert lin.weight.tq_packed.dtype == torch.uint8
-    assert not layout.supports(fmt.levels_for_bits(fmt.TERNARY), 128)
+    assert not layout.wanted(16, 128)
+    # ternary weights take the 2-bit runtime layout unless the compact published bytes are asked for
+    assert layout.wanted(3, 128) and layout.runtime_levels(3) == 4
+    monkeypatch.setenv("TURBOQUANT_COMPACT_TERNARY", "1")
+    assert not layout.wanted(3, 128) and layout.wanted(8, 128)
+
+
+def test_ternary_runtime_layout_reads_as_a_two_bit_weight():
+    """In the runtime layout a ternary weight is a 2-bit weight with the codebook -c, 0, +c, 0: the reference
+    product and the dequantized weight are exactly those of the published base-3 bytes."""
+    torch.manual_seed(5)
+    w = torch.randn(33, 256)
+    packed, norms = codec.quantize_weight(w, fmt.TERNARY, 128)
+    cb = fmt.codebook(3, 128)
+    rt = layout.to_runtime(packed, 3, 128, 2)
+    pairs = layout.pairs_codebook(cb)
+    assert pairs.tolist() == cb.tolist() + [0.0]
+    assert torch.equal(codec.rotated_weight(layout.to_published(rt, 4, 128, 2), norms, pairs, 128),
+                       codec.rotated_weight(packed, norms, cb, 128))
+    x = torch.randn(3, 256)
+    assert torch.equal(ops.codebook_matmul(x, rt, norms, pairs, 128), ops.codebook_matmul(x, packed, norms, cb, 128))
+
+
+def test_hadamard_ternary_module_in_runtime_layout():
+    """A whole-row-Hadamard (turboquant-mlx) ternary module keeps its stored 3-entry codebook and hands the
+    ops the padded one while its packed tensor is in the runtime layout."""
+    torch.manual_seed(6)
+    lin = TurboQuantLinear(128, 24, bias=False, bits=fmt.TERNARY, group_size=64, rotation="hadamard")
+    w = lin.weight
+    idx = torch.randint(0, 3, (24 * 2, 64))
+    cb = torch.tensor([-1.2236, 0.0, 1.2236], dtype=torch.float16)
+    w.load_packed_(codec.pack_indices(idx, 3), torch.rand(24, 2, dtype=torch.float16) + 0.5, cb,
+                   torch.where(torch.rand(128) < 0.5, -1.0, 1.0).half())
+    x = torch.randn(2, 128)
+    ref, published = lin(x), w.tq_packed.clone()
+    assert w.kernel_codebook() is w.tq_codebook
+    w.tq_packed = layout.to_runtime(published, 3, 64, 2)  # as on a GPU
+    assert w.use_runtime_layout_() and w.kernel_codebook().tolist() == cb.tolist() + [0.0]
+    assert torch.equal(lin(x), ref)
+    assert torch.equal(lin.state_dict()["weight.tq_packed"], published)
+    assert lin.state_dict()["weight.tq_codebook"].shape == (3,)
+    w.use_published_layout_()
+    assert torch.equal(w.tq_packed, published) and w.kernel_codebook() is w.tq_codebook
 
 
 def test_codebook_matmul_accepts_runtime_blocks():

@@ -1,16 +1,22 @@
-"""The runtime layout of packed 2- and 3-bit indices: the same bits, rearranged for the GPU kernels.
+"""The runtime layout of packed ternary, 2- and 3-bit indices: the same indices, rearranged for the GPU kernels.
 
 Checkpoints always hold the published tq3_native layout (`codec.pack_indices`: every group an LSB-first
-bit stream of uint8). On a CUDA device the packed tensors of 2- and 3-bit weights are rearranged once,
-losslessly and without changing their size, into int32 words that the decode GEMV reads with fewer
-instructions and fully coalesced loads; the dtype (int32 instead of uint8) says which layout a tensor
-is in, so every kernel and the reference path accept both. `save_pretrained` / `state_dict()` and
-moving a module off the GPU give the published bytes back (`TurboQuantWeight`).
+bit stream of uint8, or base-3 digits for ternary). On a CUDA device the packed tensors of 2- and 3-bit
+weights are rearranged once, losslessly and without changing their size (ternary: below), into int32 words
+that the decode GEMV reads with fewer instructions and fully coalesced loads; the dtype (int32 instead of uint8) says which
+layout a tensor is in, so every kernel and the reference path accept both. `save_pretrained` /
+`state_dict()` and moving a module off the GPU give the published bytes back (`TurboQuantWeight`).
+
+Ternary weights take the 2-bit runtime layout (digits 0, 1, 2 as 2-bit codes, read with the codebook
+`pairs_codebook`: -c, 0, +c and an unused 0), so every 2-bit kernel serves them. That costs memory: 2 bits
+per weight instead of the published 1.625 (32 instead of 26 bytes per group of 128, +23 %), in exchange for
+the 2-bit kernels' speed (base-3 digits need divisions to decode). `TURBOQUANT_COMPACT_TERNARY=1` keeps
+ternary weights in their published bytes on the GPU (slower kernels, less memory).
 
 Units (the same as the kernels'): 16 indices (one word) at 2 bits, 32 indices (three words) at 3 bits,
 numbered along the row (all groups of a row, in order).
 
-- 2 bits: nibble n of the word holds index n in its low two bits and index 8+n in its high two bits.
+- 2 bits (and ternary digits): nibble n of the word holds index n in its low two bits and index 8+n in its high two bits.
 - 3 bits: nibble n of word p holds index 8p+n in its low three bits; its top bit is bit p of index 24+n.
   A row's units are stored as three planes: word p of unit u at `p * units_per_row + u` within the row.
 
@@ -20,12 +26,15 @@ shifts and masks, where the published layout needs about four operations per ind
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import codec
+from . import format as fmt
 
-# codebook size -> indices per unit (one word at 2 bits, three at 3 bits)
-UNITS = {4: 16, 8: 32}
+# codebook size -> indices per unit (one word at 2 bits, three at 3 bits; ternary digits as 2-bit codes)
+UNITS = {3: 16, 4: 16, 8: 32}
 
 _CHUNK_INDICES = 1 << 24  # indices converted at a time (bounds the temporaries)
 
@@ -33,6 +42,27 @@ _CHUNK_INDICES = 1 << 24  # indices converted at a time (bounds the temporaries)
 def supports(n_levels: int, group_size: int) -> bool:
     """Whether weights of this codebook size and group size have a runtime layout."""
     return n_levels in UNITS and group_size % UNITS[n_levels] == 0
+
+
+def wanted(n_levels: int, group_size: int) -> bool:
+    """Whether such weights take the runtime layout on a GPU: those that have one, except ternary weights
+    while `TURBOQUANT_COMPACT_TERNARY` is set (to anything but 0)."""
+    if n_levels == 3 and os.environ.get("TURBOQUANT_COMPACT_TERNARY", "0") not in ("", "0"):
+        return False
+    return supports(n_levels, group_size)
+
+
+def runtime_levels(n_levels: int) -> int:
+    """The codebook size the kernels read a runtime-layout tensor with (ternary: the 2-bit layout's 4)."""
+    return 4 if n_levels == 3 else n_levels
+
+
+def pairs_codebook(codebook: torch.Tensor) -> torch.Tensor:
+    """A ternary codebook `(3,)` as the 4-entry codebook of its runtime layout: the same entries and an
+    unused zero, in the same dtype and on the same device."""
+    if codebook.numel() != 3:
+        raise ValueError(f"expected a ternary codebook (3 entries), got {codebook.numel()}")
+    return torch.cat([codebook.reshape(3), codebook.new_zeros(1)])
 
 
 def is_runtime(packed: torch.Tensor) -> bool:
@@ -52,8 +82,14 @@ def _row_chunks(packed: torch.Tensor, n_groups: int, group_size: int):
         yield packed[r0 * n_groups:r1 * n_groups], r1 - r0
 
 
+def runtime_width(n_levels: int, group_size: int) -> int:
+    """int32 words per group in the runtime layout."""
+    return group_size * {3: 2, 4: 2, 8: 3}[n_levels] // 32
+
+
 def to_runtime(packed: torch.Tensor, n_levels: int, group_size: int, n_groups: int) -> torch.Tensor:
-    """Published uint8 `(rows*n_groups, bytes_per_group)` -> runtime int32 `(rows*n_groups, bytes_per_group/4)`."""
+    """Published uint8 `(rows*n_groups, bytes_per_group)` -> runtime int32 `(rows*n_groups, words_per_group)`
+    (`bytes_per_group / 4` words; ternary `G / 16`)."""
     if not supports(n_levels, group_size):
         raise ValueError(f"no runtime layout for {n_levels}-entry codebooks with group size {group_size}")
     if packed.dtype != torch.uint8:
@@ -63,7 +99,7 @@ def to_runtime(packed: torch.Tensor, n_levels: int, group_size: int, n_groups: i
     out = []
     for chunk, rows in _row_chunks(packed, n_groups, group_size):
         idx = codec.unpack_indices(chunk, n_levels, group_size).view(rows, -1, per)  # (rows, units, per)
-        if n_levels == 4:
+        if n_levels in (3, 4):
             words = ((idx[..., :8] << sh) | (idx[..., 8:] << (sh + 2))).sum(-1)  # (rows, units)
         else:
             planes = []
@@ -74,7 +110,7 @@ def to_runtime(packed: torch.Tensor, n_levels: int, group_size: int, n_groups: i
             words = torch.stack(planes, 1)  # (rows, 3, units)
         out.append(_to_int32(words).reshape(rows * n_groups, -1))
     if not out:
-        return packed.new_empty((packed.shape[0], packed.shape[1] // 4), dtype=torch.int32)
+        return packed.new_empty((packed.shape[0], runtime_width(n_levels, group_size)), dtype=torch.int32)
     return torch.cat(out) if len(out) != 1 else out[0]
 
 
@@ -88,9 +124,11 @@ def to_published(packed: torch.Tensor, n_levels: int, group_size: int, n_groups:
     out = []
     for chunk, rows in _row_chunks(packed, n_groups, group_size):
         words = chunk.reshape(rows, -1).to(torch.int64) & 0xFFFFFFFF
-        if n_levels == 4:
+        if n_levels in (3, 4):
             w = words.unsqueeze(-1)  # (rows, units, 1)
             idx = torch.cat([(w >> sh) & 3, (w >> (sh + 2)) & 3], -1)
+            if n_levels == 3 and bool((idx == 3).any()):
+                raise ValueError("runtime-layout ternary weight holds the code 3, which is not a base-3 digit")
         else:
             w = words.view(rows, 3, -1).unsqueeze(-1)  # (rows, 3, units, 1)
             low = (w >> sh) & 7  # (rows, 3, units, 8)
@@ -99,7 +137,7 @@ def to_published(packed: torch.Tensor, n_levels: int, group_size: int, n_groups:
             idx = torch.cat([low[:, 0], low[:, 1], low[:, 2], tail], -1)
         out.append(codec.pack_indices(idx.reshape(rows * n_groups, group_size), n_levels))
     if not out:
-        return packed.new_empty((packed.shape[0], packed.shape[1] * 4), dtype=torch.uint8)
+        return packed.new_empty((packed.shape[0], fmt.bytes_per_group(n_levels, group_size)), dtype=torch.uint8)
     return torch.cat(out) if len(out) != 1 else out[0]
 
 

@@ -20,13 +20,19 @@ from . import rotation as rotation_
 _CONSTANTS: dict = {}
 
 
-def format_constants(n_levels: int, group_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codebook, signs1, signs2) on `device`, shared by every module (never buffers: nothing to load or save)."""
+def format_constants(n_levels: int, group_size: int, device,
+                     runtime: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codebook, signs1, signs2) on `device`, shared by every module (never buffers: nothing to load or save).
+
+    `runtime`: the codebook that packed indices in the runtime layout are read with (for ternary weights the
+    4-entry `layout.pairs_codebook`; the format codebook itself otherwise)."""
     device = torch.device(device)
-    key = (n_levels, group_size, device)
+    runtime = runtime and n_levels == 3
+    key = (n_levels, group_size, device, runtime)
     if key not in _CONSTANTS:
         s1, s2 = fmt.signs(group_size, device)
-        _CONSTANTS[key] = (fmt.codebook(n_levels, group_size, device), s1, s2)
+        cb = fmt.codebook(n_levels, group_size, device)
+        _CONSTANTS[key] = (layout.pairs_codebook(cb) if runtime else cb, s1, s2)
     return _CONSTANTS[key]
 
 
@@ -115,7 +121,16 @@ class TurboQuantWeight(nn.Module):
     def packed_shape(self) -> tuple[int, ...]:
         """The shape of `tq_packed` in the published layout (uint8 bytes), whichever layout it is in."""
         t = self.tq_packed
-        return (t.shape[0], t.shape[1] * 4) if self.runtime_layout else tuple(t.shape)
+        if not self.runtime_layout:
+            return tuple(t.shape)
+        return (t.shape[0], fmt.bytes_per_group(self.n_levels, self.group_size))
+
+    def kernel_codebook(self) -> torch.Tensor:
+        """The codebook the ops receive with `tq_packed`: the stored one (`rotation="hadamard"`) or the format's,
+        and for a ternary weight in the runtime layout (2-bit codes) that codebook padded to four entries."""
+        if self.rotation == "hadamard":
+            return self._pairs_codebook if self.runtime_layout and self.n_levels == 3 else self.tq_codebook
+        return format_constants(self.n_levels, self.group_size, self.tq_packed.device, self.runtime_layout)[0]
 
     def published_packed(self) -> torch.Tensor:
         """`tq_packed` in the published layout (the tensor itself when it already is)."""
@@ -123,17 +138,21 @@ class TurboQuantWeight(nn.Module):
 
     def use_runtime_layout_(self) -> bool:
         """Rearrange `tq_packed` into the runtime layout when it lives on a CUDA device and the weight has one
-        (2- and 3-bit); returns whether it is in that layout now. Lossless: `published_packed()` inverts it."""
+        (ternary, 2- and 3-bit; see `layout.wanted`); returns whether it is in that layout now. Lossless:
+        `published_packed()` inverts it."""
         t = self.tq_packed
-        if (t.dtype == torch.uint8 and t.device.type == "cuda" and layout.supports(self.n_levels, self.group_size)
+        if (t.dtype == torch.uint8 and t.device.type == "cuda" and layout.wanted(self.n_levels, self.group_size)
                 and tuple(t.shape) == self.expected_shapes()["tq_packed"]):
             self.tq_packed = layout.to_runtime(t, self.n_levels, self.group_size, self.n_groups)
+        if self.runtime_layout and self.n_levels == 3 and self.rotation == "hadamard":
+            self._pairs_codebook = layout.pairs_codebook(self.tq_codebook)
         return self.runtime_layout
 
     def use_published_layout_(self) -> None:
         """Put `tq_packed` back into the published byte layout (in place)."""
         if self.runtime_layout:
             self.tq_packed = self.published_packed()
+        self.__dict__.pop("_pairs_codebook", None)
 
     @property
     def bits(self):
@@ -222,12 +241,12 @@ class TurboQuantLinear(nn.Module):
         w = self.weight
         if w.rotation == "hadamard":
             y = torch.ops.turboquant.hadamard_linear(
-                x, w.tq_packed, w.tq_norms, w.tq_codebook, w.tq_signs, w.group_size, self.in_features
+                x, w.tq_packed, w.tq_norms, w.kernel_codebook(), w.tq_signs, w.group_size, self.in_features
             )
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        codebook, s1, s2 = format_constants(w.n_levels, w.group_size, w.tq_packed.device)
+        _, s1, s2 = format_constants(w.n_levels, w.group_size, w.tq_packed.device)
         y = torch.ops.turboquant.linear(
-            x, w.tq_packed, w.tq_norms, codebook, s1, s2, w.group_size, self.in_features
+            x, w.tq_packed, w.tq_norms, w.kernel_codebook(), s1, s2, w.group_size, self.in_features
         )
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -299,18 +318,17 @@ class TurboQuantExperts(nn.Module):
             g, u, d = self.gate_proj, self.up_proj, self.down_proj
             return torch.ops.turboquant.hadamard_moe_experts(
                 hidden_states, top_k_index, top_k_weights,
-                g.tq_packed, g.tq_norms, g.tq_codebook, g.tq_signs,
-                u.tq_packed, u.tq_norms, u.tq_codebook, u.tq_signs,
-                d.tq_packed, d.tq_norms, d.tq_codebook, d.tq_signs,
+                g.tq_packed, g.tq_norms, g.kernel_codebook(), g.tq_signs,
+                u.tq_packed, u.tq_norms, u.kernel_codebook(), u.tq_signs,
+                d.tq_packed, d.tq_norms, d.kernel_codebook(), d.tq_signs,
                 self.num_experts, self.activation,
             )
         gu, dn = self.gate_up_proj, self.down_proj
         device = gu.tq_packed.device
-        cb_gu, s1, s2 = format_constants(gu.n_levels, gu.group_size, device)
-        cb_dn, _, _ = format_constants(dn.n_levels, dn.group_size, device)
+        _, s1, s2 = format_constants(gu.n_levels, gu.group_size, device)
         return torch.ops.turboquant.moe_experts(
             hidden_states, top_k_index, top_k_weights,
-            gu.tq_packed, gu.tq_norms, cb_gu, dn.tq_packed, dn.tq_norms, cb_dn,
+            gu.tq_packed, gu.tq_norms, gu.kernel_codebook(), dn.tq_packed, dn.tq_norms, dn.kernel_codebook(),
             s1, s2, gu.group_size, self.num_experts, self.activation,
         )
 
