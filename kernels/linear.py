@@ -987,7 +987,8 @@ def _lut_config(n: int, nut: int, m: int = 1, nibble_ready: bool = False) -> tup
     layout, and 4-bit in any layout): one unit per lane, BN weight rows per
     thread, BM activation rows per program (and optionally a register cap). The runtime-layout choices at
     M = 1 come from a sweep on an H200 (2- and 3-bit, the benchmark shapes): more warps for short rows
-    and few rows, fewer for many."""
+    and few rows, fewer for many; a cap of 64 registers for long rows of 2-bit units (14336 inputs: 20.3
+    instead of 24.5 us for 14336x4096)."""
     if nibble_ready and m <= 1 and nut >= 64:
         if n >= 16384:
             return 8, 4, 1
@@ -995,7 +996,7 @@ def _lut_config(n: int, nut: int, m: int = 1, nibble_ready: bool = False) -> tup
             return 4, 8, 1, 64  # (a cap of 64 registers: the occupancy these short kernels need)
         if nut <= 128:
             return 16, 8, 1
-        return (8, 8, 1) if nut % 256 == 0 or nut < 512 else (8, 4, 1)
+        return (8, 8, 1) if nut % 256 == 0 or nut < 512 else (8, 8, 1, 64)
     bm = 1 if m <= 1 else min(16, triton.next_power_of_2(m))
     warps = 4 if nut >= 128 else (2 if nut >= 64 else 1)
     bn = 8 if (n >= 8192 and bm <= 2) or bm == 4 else 4
@@ -1803,11 +1804,15 @@ def _lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, TU
 
 
 @triton.jit
-def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, out_ptr, N, K, stride_on, scale,
+def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, out_ptr, sel_ptr, N, K, stride_on, scale,
                         NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, UPG: tl.constexpr,
-                        BR: tl.constexpr, TUNED: tl.constexpr, USE_ASM: tl.constexpr, UNROT: tl.constexpr):
+                        BR: tl.constexpr, TUNED: tl.constexpr, USE_ASM: tl.constexpr, UNROT: tl.constexpr,
+                        SEL_ROWS: tl.constexpr):
     """One program per BR consecutive (row, group) pairs of a 2-, 3- or 4-bit weight: their units are one
     contiguous run, decoded with the byte-permute lookups and scaled by the group norms.
+
+    SEL_ROWS > 0: the weight is stacked matrices of SEL_ROWS rows (experts) and output row n is row
+    `n % SEL_ROWS` of matrix `sel[n // SEL_ROWS]` (only the selected matrices are read).
 
     UNROT False: the rotated-basis weight `norm * codebook[idx]` (out is `(N, NG*G)`).
     UNROT True: the weight itself, `D1 . H . D2 . (norm * codebook[idx]) / sqrt(G)` per group, the Walsh-Hadamard
@@ -1834,9 +1839,15 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, out_ptr, N, K, 
         r = tl.minimum(r, RG - 1)  # clamped: loads stay in bounds, the extra rows are not stored
         n = (r // NG).to(tl.int64)
         g = r % NG
-        w0, w1, w2 = _load_units(pk_ptr, r[:, None] * UPG + ru[None, :], None, WPU, TUNED, n[:, None], NUT)
+        if SEL_ROWS > 0:  # the source row: row n % SEL_ROWS of the selected matrix
+            src = tl.load(sel_ptr + n // SEL_ROWS).to(tl.int64) * SEL_ROWS + n % SEL_ROWS
+            rs = src * NG + g
+        else:
+            src = n
+            rs = r
+        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], None, WPU, TUNED, src[:, None], NUT)
         v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, USE_ASM), [BR, G])
-        v = v * tl.load(nrm_ptr + r).to(tl.float32)[:, None]
+        v = v * tl.load(nrm_ptr + rs).to(tl.float32)[:, None]
         if UNROT:
             if USE_ASM:  # 16-bit operands (+-1 entries are exact), float32 accumulation
                 y = tl.dot(v.to(out_ptr.dtype.element_ty), h)
@@ -1854,12 +1865,17 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, out_ptr, N, K, 
 def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
                    dtype: torch.dtype, signs1: torch.Tensor | None = None, signs2: torch.Tensor | None = None,
                    in_features: int | None = None, block_rows: int = 64, warps: int = 4,
-                   programs: int = 0) -> torch.Tensor:
+                   programs: int = 0, select: torch.Tensor | None = None, select_rows: int = 0) -> torch.Tensor:
     """A 2-, 3- or 4-bit weight decoded with the byte-permute lookups (codebook values at 16-bit precision) into
     a 16-bit `dtype` (float32 in the interpreter): with `signs1`/`signs2` the weight itself, `(rows,
     in_features)` (= `codec.dequantize_weight` within 16-bit rounding), without them the rotated-basis weight
-    `(rows, n_groups*G)` (= `codec.rotated_weight`)."""
+    `(rows, n_groups*G)` (= `codec.rotated_weight`).
+
+    `select` (int tensor of S matrix numbers) with `select_rows` = R: the weight is stacked matrices of R rows
+    each (experts) and only the selected ones are decoded, into `(S*R, width)` in the order given."""
     n, ng = norms.shape
+    if select is not None:
+        n = select.numel() * select_rows
     n_levels = codebook.numel()
     per = lut_unit(n_levels, group_size)
     if not per:
@@ -1875,10 +1891,12 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
         signs1 = signs2 = norms  # (unused)
     pk = _packed_view(packed, 1)
     grid = (min(triton.cdiv(n * ng, block_rows), programs or _sm_count(packed.device) * 4),)
-    _dequant_lut_kernel[grid](pk, norms.contiguous(), _f32(codebook), signs1, signs2, out, n, width, out.stride(0),
-                              1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
+    sel = select.reshape(-1) if select is not None else norms  # (unused without a selection)
+    _dequant_lut_kernel[grid](pk, norms.contiguous(), _f32(codebook), signs1, signs2, out, sel, n, width,
+                              out.stride(0), 1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
                               UPG=group_size // per, BR=block_rows, TUNED=_tuned(packed),
-                              USE_ASM=not _interpreting(), UNROT=unrot, num_warps=warps)
+                              USE_ASM=not _interpreting(), UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
+                              num_warps=warps)
     return out
 
 

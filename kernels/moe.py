@@ -11,12 +11,18 @@ synchronisation, so the layer can be captured in a CUDA graph:
 4. `rotate` each pair's intermediate row;
 5. the GEMV over pairs with the down matrices, then the top-k weighted sum per token.
 
-Otherwise (prefill): tokens are grouped by expert (one host synchronisation for the
-counts, as transformers' own expert loop does) and each routed expert runs `linear.product` on its
-tokens (the LUT/tensor-core GEMV or dequantize + cuBLAS, by token count).
+Otherwise (prefill): the (token, slot) pairs are sorted by expert (one host synchronisation for the counts,
+as transformers' own expert loop does). For 2-, 3- and 4-bit experts (ternary in its runtime layout) and 16-bit
+activations, the routed experts' matrices are decoded, rotation undone, into a scratch buffer of at most
+`PREFILL_SCRATCH_BYTES` (a chunk of experts at a time; only routed experts are read), and each chunk runs as two
+grouped matrix products (`torch._grouped_mm`, bfloat16 on CUDA; a product per expert otherwise) around the
+activation: a few launches per chunk instead of a dozen per expert. Other tiers (ternary in its published bytes,
+float32 activations) run `linear.product` per routed expert on its tokens.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -24,6 +30,9 @@ from . import linear as L
 
 # Most (token, slot) pairs served by the pair GEMV path.
 PAIR_MAX_ROWS = 64
+# Largest scratch buffer of decoded expert weights at prefill (bytes); the routed experts are decoded in chunks
+# that fit (at least one expert at a time).
+PREFILL_SCRATCH_BYTES = 256 << 20
 
 
 def _activation(name: str):
@@ -55,8 +64,68 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
                    unit_d if sixteen else 0)
         out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
         return out.to(hidden.dtype)
+    if sixteen and unit_gu and unit_d:
+        return _grouped_decoded(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
+                                down_packed, down_norms, down_codebook, s1, s2, group_size, e, act, inter)
     return _grouped(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
                     down_packed, down_norms, down_codebook, s1, s2, group_size, e, act, inter)
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` serves these activations: bfloat16 on a CUDA device of compute capability 8.0
+    or later (9.x before torch 2.9), not under the Triton interpreter."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cuda" or L._interpreting() or not hasattr(torch, "_grouped_mm"):
+        return False
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    cap = torch.cuda.get_device_capability(x.device)
+    return cap[0] == 9 if (major, minor) < (2, 9) else cap >= (8, 0)
+
+
+def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1,
+                     s2, g, e, act, inter):
+    """Prefill over the routed experts' decoded weights (see the module docstring)."""
+    from turboquant_hf.ops import expert_groups
+
+    t, h = hidden.shape
+    dt = hidden.dtype
+    wdt = torch.float32 if L._interpreting() else dt  # (the interpreter computes in float32)
+    tok, slot, counts = expert_groups(top_k_index, e)
+    counts_l = counts.tolist()
+    active = [ex for ex, c in enumerate(counts_l) if c]
+    x = hidden[tok].to(wdt)  # the routed pairs' tokens, sorted by expert
+    w = top_k_weights[tok, slot].to(torch.float32)
+    y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
+    per_expert = (2 * inter * h + h * inter) * torch.finfo(wdt).bits // 8
+    step = max(1, PREFILL_SCRATCH_BYTES // per_expert)
+    grouped = _grouped_mm_ok(hidden)
+    start = 0
+    for c0 in range(0, len(active), step):
+        chunk = active[c0:c0 + step]
+        sizes = [counts_l[ex] for ex in chunk]
+        stop = start + sum(sizes)
+        sel = torch.tensor(chunk, dtype=torch.int32, device=hidden.device)
+        w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, s1, s2, h, select=sel, select_rows=2 * inter)
+        w_gu = w_gu.view(len(chunk), 2 * inter, h)
+        xs = x[start:stop]
+        if grouped:
+            offs = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=hidden.device)
+            gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)
+        else:
+            gu = torch.cat([torch.nn.functional.linear(part, w_gu[i]) for i, part in enumerate(xs.split(sizes))])
+        del w_gu
+        gu = gu.float()
+        mid = (act(gu[:, :inter]) * gu[:, inter:]).to(wdt)
+        w_d = L.dequantize_lut(d_packed, d_norms, d_cb, g, wdt, s1, s2, inter, select=sel, select_rows=h)
+        w_d = w_d.view(len(chunk), h, inter)
+        if grouped:
+            y[start:stop] = torch._grouped_mm(mid, w_d.transpose(1, 2), offs=offs)
+        else:
+            y[start:stop] = torch.cat([torch.nn.functional.linear(part, w_d[i]) for i, part in enumerate(mid.split(sizes))])
+        del w_d
+        start = stop
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, tok, y * w[:, None])
+    return out.to(dt)
 
 
 def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):

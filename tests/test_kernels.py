@@ -328,6 +328,34 @@ def test_runtime_layout_kernels(L, bits, g):
                        L.gemv_lut(x_t, pe, ne, cb, g, torch.float32, experts=e, expert_index=idx, x_div=2))
 
 
+def test_ternary_runtime_layout_kernels(L):
+    """A ternary weight in its runtime layout (2-bit codes, `layout.pairs_codebook`) runs the 2-bit kernels:
+    the whole op at M = 1 (LUT GEMV), 5 (tensor-core GEMV) and 17 (dequantize + matmul) and the routed-expert
+    LUT GEMV, against the reference product of the published base-3 bytes."""
+    n, k, g = 20, 200, 64
+    packed, norms, cb, s1, s2 = _weight(n, k, fmt.TERNARY, g, seed=47)
+    ng = norms.shape[1]
+    rt, pairs = layout.to_runtime(packed, 3, g, ng), layout.pairs_codebook(cb)
+    assert L.lut_unit(pairs.numel(), g) == 16
+    gen = torch.Generator().manual_seed(3)
+    for lead in ((1,), (5,), (17,)):
+        x = torch.randn(*lead, k, generator=gen).to(torch.bfloat16)
+        ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
+        assert _rel(L.linear(x, rt, norms, pairs, s1, s2, g, k), ref) < 1.5e-2, lead
+    e = 3
+    pe, ne = codec.quantize_weight(torch.randn(e, n, k, generator=gen), fmt.TERNARY, g)
+    re_ = layout.to_runtime(pe, 3, g, ng)
+    idx = torch.tensor([2, 0, -1, 1])
+    x = torch.randn(2, k, generator=gen)
+    x_t = L.rotate(x, s1, s2, g, torch.float32, unit=16)
+    y = L.gemv_lut(x_t, re_, ne, pairs, g, torch.float32, experts=e, expert_index=idx, x_div=2)
+    x_rot = ops.rotate_activations(x, s1, s2, g)
+    for p, ex in enumerate(idx.tolist()):
+        want = torch.zeros(n) if ex < 0 else ops.codebook_matmul(
+            x_rot[p // 2:p // 2 + 1], pe[ex * n * ng:(ex + 1) * n * ng], ne[ex * n:(ex + 1) * n], cb, g)[0]
+        assert _rel(y[p], want) < 4e-3 if ex >= 0 else torch.equal(y[p], want), (p, _rel(y[p], want))
+
+
 @pytest.fixture(scope="module")
 def M(L):
     """An interpreted copy of turboquant_hf.kernels.moe that uses the interpreted linear kernels."""
@@ -341,11 +369,12 @@ def M(L):
     return mod
 
 
-@pytest.mark.parametrize("bits", [3, 4, fmt.TERNARY])
-def test_moe_experts_kernel_paths(L, M, bits):
+@pytest.mark.parametrize("bits,runtime", [(3, True), (4, False), (fmt.TERNARY, False), (fmt.TERNARY, True)])
+def test_moe_experts_kernel_paths(L, M, bits, runtime):
     """The CUDA implementation of the MoE op (run under the interpreter) against the torch reference:
-    the pair path (few tokens: the LUT GEMV for 3-bit, the select GEMV for 4-bit and ternary with float16
-    norms) and the grouped path (many tokens)."""
+    the pair path (few tokens: the LUT GEMV for 3-bit and ternary in the runtime layout, the select GEMV for
+    4-bit and ternary bytes, with float16 norms) and the grouped path (many tokens: the routed experts decoded
+    in chunks of two, or for ternary bytes a product per expert)."""
     e, h, inter, g = 6, 128, 64, 64
     gen = torch.Generator().manual_seed(int(bits * 100))
     gu_p, gu_n = codec.quantize_weight(torch.randn(e, 2 * inter, h, generator=gen), bits, g)
@@ -355,7 +384,12 @@ def test_moe_experts_kernel_paths(L, M, bits):
     nl = fmt.levels_for_bits(bits)
     cb = fmt.codebook(nl, g)
     s1, s2 = fmt.signs(g)
+    gu_k, d_k, cb_k = gu_p, d_p, cb  # what the kernels get: the layout TurboQuantExperts holds on a GPU
+    if runtime:
+        gu_k, d_k = layout.to_runtime(gu_p, nl, g, h // g), layout.to_runtime(d_p, nl, g, inter // g)
+        cb_k = layout.pairs_codebook(cb) if nl == 3 else cb
     M.PAIR_MAX_ROWS = 8  # (this copy only) 2 tokens x top-3 take the pair path, 4 tokens the grouped one
+    M.PREFILL_SCRATCH_BYTES = 2 * (3 * inter * h) * 4  # two experts' float32 weights a chunk
     for t in (2, 4):
         hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
         top_k_index = torch.randint(0, e, (t, 3), generator=gen)
@@ -363,7 +397,7 @@ def test_moe_experts_kernel_paths(L, M, bits):
         top_k_weights = torch.rand(t, 3, generator=gen)
         args = (hidden, top_k_index, top_k_weights, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e, "silu")
         ref = ops.turboquant_moe_experts(hidden.float(), *args[1:])
-        y = M.moe_experts(*args)
+        y = M.moe_experts(hidden, top_k_index, top_k_weights, gu_k, gu_n, cb_k, d_k, d_n, cb_k, s1, s2, g, e, "silu")
         assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
         assert _rel(y, ref) < 1.5e-2, (t, _rel(y, ref))
 
@@ -437,6 +471,12 @@ def test_lookup_dequantization(L, bits, g):
             if first is None:
                 first = (rot, w)
             assert torch.equal(rot, first[0]) and torch.equal(w, first[1]), (pk.dtype, block_rows)
+        # selected matrices of a stack (experts): the 21 rows as three matrices of 7, the third and the first
+        sel = torch.tensor([2, 0], dtype=torch.int32)
+        rows = torch.cat([torch.arange(14, 21), torch.arange(0, 7)])
+        assert torch.equal(L.dequantize_lut(pk, norms, cb, g, torch.float32, select=sel, select_rows=7), first[0][rows])
+        assert torch.equal(L.dequantize_lut(pk, norms, cb, g, torch.float32, s1, s2, k, select=sel, select_rows=7),
+                           first[1][rows])
     with pytest.raises(ValueError, match="4-, 8- and 16-entry"):
         t_packed, t_norms, t_cb, *_ = _weight(4, 64, fmt.TERNARY, 64, seed=1)
         L.dequantize_lut(t_packed, t_norms, t_cb, 64, torch.float32)
@@ -495,11 +535,13 @@ def _cuda_check(bits) -> int:
             packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=n + k + g)
             pk_d, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (packed, norms, cb, s1, s2))
             nl, ng = cb.numel(), norms.shape[1]
-            # the published bytes at every M; the runtime layout (2-, 3-bit) on each path: LUT, mma, prefill
-            layouts = [("published", pk_d, (1, 2, 3, 8, 16, 17, 100))]
+            # the published bytes at every M; the runtime layout (ternary, 2-, 3-bit; ternary read with its
+            # 4-entry codebook) on each path: LUT, mma, prefill
+            layouts = [("published", pk_d, cb_d, (1, 2, 3, 8, 16, 17, 100))]
             if layout.supports(nl, g):
-                layouts.append(("runtime", layout.to_runtime(pk_d, nl, g, ng), (1, 3, 16, 17)))
-            for name, pk, ms in layouts:
+                layouts.append(("runtime", layout.to_runtime(pk_d, nl, g, ng),
+                                layout.pairs_codebook(cb_d) if nl == 3 else cb_d, (1, 3, 16, 17)))
+            for name, pk, cb_k, ms in layouts:
                 for m in ms:
                     x = torch.randn(m, k)
                     dtypes = (torch.bfloat16, torch.float16, torch.float32) if g == 128 else (torch.bfloat16,)
@@ -509,7 +551,7 @@ def _cuda_check(bits) -> int:
                         xd = x.to(dt)
                         refd = ops.turboquant_linear(xd.float(), packed, norms, cb, s1, s2, g, k)
                         _poison_allocator(4 * m * n * 4)
-                        y = torch.ops.turboquant.linear(xd.to(dev), pk, nr_d, cb_d, s1_d, s2_d, g, k)
+                        y = torch.ops.turboquant.linear(xd.to(dev), pk, nr_d, cb_k, s1_d, s2_d, g, k)
                         err = _rel(y, refd) if torch.isfinite(y).all() else float("nan")
                         ok = y.dtype == dt and y.shape == (m, n) and err < tol[dt]
                         failures += not ok
@@ -526,16 +568,22 @@ def _cuda_check(bits) -> int:
     cb = fmt.codebook(fmt.levels_for_bits(bits), g)
     s1, s2 = fmt.signs(g)
     dev_w = [t.to(dev) for t in (gu_p, gu_n, cb, d_p, d_n, cb, s1, s2)]
-    for t in (1, 3, 40):
+    nl = cb.numel()
+    weights = [("published", dev_w)]
+    if layout.supports(nl, g):  # the runtime layout, as TurboQuantExperts holds it on a GPU
+        cb_rt = layout.pairs_codebook(dev_w[2]) if nl == 3 else dev_w[2]
+        weights.append(("runtime", [layout.to_runtime(dev_w[0], nl, g, h // g), dev_w[1], cb_rt,
+                                    layout.to_runtime(dev_w[3], nl, g, inter // g), dev_w[4], cb_rt, *dev_w[6:]]))
+    for (name, wl), t in [(w, t) for w in weights for t in (1, 3, 40)]:
         hidden = torch.randn(t, h).to(torch.bfloat16)
         idx = torch.randint(0, e, (t, 4))
         wts = torch.rand(t, 4)
         ref = ops.turboquant_moe_experts(hidden.float(), idx, wts, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e, "silu")
-        y = torch.ops.turboquant.moe_experts(hidden.to(dev), idx.to(dev), wts.to(dev), *dev_w, g, e, "silu")
+        y = torch.ops.turboquant.moe_experts(hidden.to(dev), idx.to(dev), wts.to(dev), *wl, g, e, "silu")
         err = _rel(y, ref)
         ok = err < 1.5e-2 and y.dtype == torch.bfloat16
         failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} moe_experts bits={bits} T={t} rel_err={err:.2e}")
+        print(f"{'ok  ' if ok else 'FAIL'} moe_experts bits={bits} {name} T={t} rel_err={err:.2e}")
     static_h = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
     static_i = torch.randint(0, e, (1, 4), device=dev)
     static_w = torch.rand(1, 4, device=dev)
