@@ -1,8 +1,9 @@
 """Triton kernels for `torch.ops.turboquant.linear` (CUDA).
 
 The product `y = x @ W.T` for a TurboQuant-packed weight runs in two steps,
-reading the published tq3_native bytes or (2- and 3-bit on a GPU) the same
-bytes in the runtime layout of `turboquant_hf.layout`:
+reading the published tq3_native bytes or (ternary, 2- and 3-bit on a GPU) the
+runtime layout of `turboquant_hf.layout` (ternary there as 2-bit codes, read
+with a 4-entry codebook: to these kernels a 2-bit weight):
 
 1. `rotate`: the activations, rotated per group of G (`x_rot = D2 . H . D1 . x`,
    H the normalised Walsh-Hadamard matrix), zero-padded to `n_groups * G`.
