@@ -167,6 +167,28 @@ def test_plan_qwen36_tq3a_tqte(qwen36_dir, capsys):
     tiers = {t["bits"]: t for t in plan["tiers"]}
     assert tiers[1.58]["tensors"] == 80 and tiers[3]["tensors"] == len(qwen36_tensors()[1]) - 80
     assert plan["weights_bytes"] < json.loads(_plan_json(qwen36_dir, "--bits", "3"))["weights_bytes"]
+    # on a GPU the ternary experts are 2-bit codes (32 bytes a group), unless the compact bytes are asked for
+    assert plan["weights_gpu_bytes"] == _expected_weights(lambda name: 32 + 2 if ".mlp.experts." in name else 48 + 4)
+    assert plan["total_gpu_bytes"] - plan["total_bytes"] == plan["weights_gpu_bytes"] - plan["weights_bytes"] > 0
+
+
+def test_plan_gpu_budget_counts_the_runtime_layout(qwen36_dir, capsys, monkeypatch):
+    """A GPU budget is checked against what the GPU holds; a RAM budget against the published bytes."""
+    plan = json.loads(_plan_json(qwen36_dir, "--recipe", "tq3a-tqTe", "--context", "4096"))
+    between = (plan["total_bytes"] + plan["total_gpu_bytes"]) / 2e9  # fits the bytes, not the 2-bit codes
+    args = ["plan", qwen36_dir, "--recipe", "tq3a-tqTe", "--context", "4096", "--json"]
+    assert cli.main([*args, "--gpu-gb", f"{between}", "--ram-gb", f"{between}"]) == cli.EXIT_DOES_NOT_FIT
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits_gpu"] is False and out["fits_ram"] is True
+    monkeypatch.setenv("TURBOQUANT_COMPACT_TERNARY", "1")
+    assert cli.main([*args, "--gpu-gb", f"{between}"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits_gpu"] is True and out["total_gpu_bytes"] == out["total_bytes"]
+    assert cli.main(["plan", qwen36_dir, "--recipe", "tq3a-tqTe"]) == 0
+    assert "weights on a GPU" not in capsys.readouterr().out
+    monkeypatch.delenv("TURBOQUANT_COMPACT_TERNARY")
+    assert cli.main(["plan", qwen36_dir, "--recipe", "tq3a-tqTe"]) == 0
+    assert "weights on a GPU" in capsys.readouterr().out
 
 
 def _plan_json(d, *extra):

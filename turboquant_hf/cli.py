@@ -496,10 +496,15 @@ def _norm_bytes(n_levels: int) -> int:
 
 def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", context: int | None = None,
                 batch: int = 1) -> dict[str, Any]:
-    """The memory projection of `tensors` quantized with `cfg`: weights per tier (exact), KV cache, recurrent state."""
+    """The memory projection of `tensors` quantized with `cfg`: weights per tier (exact), KV cache, recurrent state.
+
+    Sizes are those of the checkpoint (and of the model in CPU memory); `*gpu_bytes` are those on a CUDA device,
+    where ternary weights take the 2-bit runtime layout unless TURBOQUANT_COMPACT_TERNARY is set
+    (`turboquant_hf.layout`)."""
     from . import card as tq_card
     from . import checkpoint as ckpt
     from . import format as fmt
+    from . import layout
     from .config import DEFAULT_MODULES_TO_NOT_CONVERT
 
     skip = list(DEFAULT_MODULES_TO_NOT_CONVERT) if cfg.modules_to_not_convert is None else cfg.modules_to_not_convert
@@ -517,13 +522,18 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
         module, rows, in_features = q
         bits = cfg.bits_for(module)
         n_levels = fmt.levels_for_bits(bits)
-        packed = rows * -(-in_features // G) * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))
-        t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "base_bytes": 0})
+        groups = rows * -(-in_features // G)
+        packed = groups * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))
+        on_gpu = 4 * layout.runtime_width(n_levels, G) if layout.wanted(n_levels, G) else fmt.bytes_per_group(n_levels, G)
+        t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
+                                    "base_bytes": 0})
         t["tensors"] += 1
         t["params"] += rows * in_features
         t["bytes"] += packed
+        t["gpu_bytes"] += groups * (on_gpu + _norm_bytes(n_levels))
         t["base_bytes"] += nbytes
     q_bytes = sum(t["bytes"] for t in tiers.values())
+    q_gpu = sum(t["gpu_bytes"] for t in tiers.values())
     q_params = sum(t["params"] for t in tiers.values())
     weights = q_bytes + full_bytes
     kv = tq_card.kv_cache_per_token(config, _DTYPE_BYTES[kv_dtype])
@@ -532,16 +542,17 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
     context = context or int(tc.get("max_position_embeddings") or 4096)
     kv_total = kv["bytes"] * context * batch
     total = weights + kv_total + rec["bytes"] * batch
+    gpu_total = total - q_bytes + q_gpu
     tier_list = [dict(t, label=tq_card.bits_label(t["bits"]), bits_per_weight=round(8 * t["bytes"] / t["params"], 3))
                  for _, t in sorted(tiers.items(), key=lambda kv_: -kv_[0])]
     return {
         "quantization_config": cfg.to_dict(), "tiers": tier_list, "quantized_bytes": q_bytes,
         "quantized_params": q_params, "full_precision_bytes": full_bytes, "full_precision_tensors": full_count,
-        "weights_bytes": weights, "base_weights_bytes": base_bytes,
+        "weights_bytes": weights, "weights_gpu_bytes": q_gpu + full_bytes, "base_weights_bytes": base_bytes,
         "bits_per_weight": round(8 * q_bytes / q_params, 3) if q_params else None,
         "kv_dtype": kv_dtype, "kv_cache_bytes_per_token": kv["bytes"], "kv_cache": kv,
         "recurrent_state_bytes": rec["bytes"], "recurrent_state": rec, "context": context, "batch": batch,
-        "kv_cache_bytes": kv_total, "total_bytes": total,
+        "kv_cache_bytes": kv_total, "total_bytes": total, "total_gpu_bytes": gpu_total,
     }
 
 
@@ -557,12 +568,13 @@ def cmd_plan(args, argv) -> int:
     budget_ok = True
     for key, gb in (("gpu", args.gpu_gb), ("ram", args.ram_gb)):
         if gb is not None:
-            fits = plan["total_bytes"] <= gb * 1e9
+            suffix = "gpu_bytes" if key == "gpu" else "bytes"  # (a GPU holds ternary weights as 2-bit codes)
+            fits = plan[f"total_{suffix}"] <= gb * 1e9
             plan[f"fits_{key}"] = fits
             plan[f"{key}_budget_bytes"] = int(gb * 1e9)
             # the longest context that fits beside the weights
             per_token = plan["kv_cache_bytes_per_token"] * args.batch
-            room = gb * 1e9 - plan["weights_bytes"] - plan["recurrent_state_bytes"] * args.batch
+            room = gb * 1e9 - plan[f"weights_{suffix}"] - plan["recurrent_state_bytes"] * args.batch
             longest = int(room // per_token) if per_token and room > 0 else 0
             limit = int(tq_card.text_config(config).get("max_position_embeddings") or 0)
             plan[f"max_context_{key}"] = min(longest, limit) if limit else longest
@@ -574,8 +586,11 @@ def cmd_plan(args, argv) -> int:
         lines.append(f"{t['label']:<22}{t['tensors']:>9}{tq_card.human_count(t['params']):>10}{h(t['bytes']):>12}"
                      f"{t['bits_per_weight']:>13}")
     lines.append(f"{'full precision':<22}{plan['full_precision_tensors']:>9}{'':>10}{h(plan['full_precision_bytes']):>12}")
+    lines.append(f"{'weights':<22}{'':>19}{h(plan['weights_bytes']):>12}   (base {h(plan['base_weights_bytes'])})")
+    if plan["weights_gpu_bytes"] != plan["weights_bytes"]:
+        lines.append(f"{'weights on a GPU':<22}{'':>19}{h(plan['weights_gpu_bytes']):>12}   (ternary as 2-bit codes, "
+                     "the faster kernels; TURBOQUANT_COMPACT_TERNARY=1 keeps the size above)")
     lines += [
-        f"{'weights':<22}{'':>19}{h(plan['weights_bytes']):>12}   (base {h(plan['base_weights_bytes'])})",
         "",
         f"KV cache per token ({args.kv_dtype}): {plan['kv_cache_bytes_per_token']:,} bytes "
         f"({plan['kv_cache']['layers']} full-attention layers x {plan['kv_cache']['kv_heads']} KV heads x "
@@ -585,7 +600,8 @@ def cmd_plan(args, argv) -> int:
         lines.append(f"recurrent state ({plan['recurrent_state']['layers']} linear-attention layers): "
                      f"{h(plan['recurrent_state_bytes'])} per sequence, constant")
     lines.append(f"at {plan['context']:,} tokens x batch {args.batch}: KV {h(plan['kv_cache_bytes'])}, "
-                 f"total {h(plan['total_bytes'])}")
+                 f"total {h(plan['total_bytes'])}"
+                 + (f" ({h(plan['total_gpu_bytes'])} on a GPU)" if plan["total_gpu_bytes"] != plan["total_bytes"] else ""))
     for key, gb in (("gpu", args.gpu_gb), ("ram", args.ram_gb)):
         if gb is not None:
             verdict = "fits" if plan[f"fits_{key}"] else "does NOT fit"
