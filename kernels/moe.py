@@ -81,6 +81,29 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
     return cap[0] == 9 if (major, minor) < (2, 9) else cap >= (8, 0)
 
 
+def _expert_chunks(counts: list, per_expert_bytes: int, device, grouped: bool):
+    """The routed experts (those with tokens, in order) in chunks whose decoded matrices fit
+    `PREFILL_SCRATCH_BYTES`: yields (start, stop) of the chunk's rows among the pairs sorted by expert, the
+    expert numbers (int32 tensor), the row count per expert and, for `torch._grouped_mm`, their end offsets."""
+    active = [ex for ex, c in enumerate(counts) if c]
+    step = max(1, PREFILL_SCRATCH_BYTES // per_expert_bytes)
+    start = 0
+    for c0 in range(0, len(active), step):
+        chunk = active[c0:c0 + step]
+        sizes = [counts[ex] for ex in chunk]
+        offs = (torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=device)
+                if grouped else None)
+        yield start, start + sum(sizes), torch.tensor(chunk, dtype=torch.int32, device=device), sizes, offs
+        start += sum(sizes)
+
+
+def _expert_products(a: torch.Tensor, w: torch.Tensor, sizes: list, offs, grouped: bool) -> torch.Tensor:
+    """Rows `a` (grouped by expert, `sizes` rows each) times their experts' matrices `w` `(n, out, in)`."""
+    if grouped:
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+    return torch.cat([torch.nn.functional.linear(part, w[i]) for i, part in enumerate(a.split(sizes))])
+
+
 def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1,
                      s2, g, e, act, inter):
     """Prefill over the routed experts' decoded weights (see the module docstring)."""
@@ -90,39 +113,19 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
     dt = hidden.dtype
     wdt = torch.float32 if L._interpreting() else dt  # (the interpreter computes in float32)
     tok, slot, counts = expert_groups(top_k_index, e)
-    counts_l = counts.tolist()
-    active = [ex for ex, c in enumerate(counts_l) if c]
     x = hidden[tok].to(wdt)  # the routed pairs' tokens, sorted by expert
     w = top_k_weights[tok, slot].to(torch.float32)
     y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
-    per_expert = (2 * inter * h + h * inter) * torch.finfo(wdt).bits // 8
-    step = max(1, PREFILL_SCRATCH_BYTES // per_expert)
     grouped = _grouped_mm_ok(hidden)
-    start = 0
-    for c0 in range(0, len(active), step):
-        chunk = active[c0:c0 + step]
-        sizes = [counts_l[ex] for ex in chunk]
-        stop = start + sum(sizes)
-        sel = torch.tensor(chunk, dtype=torch.int32, device=hidden.device)
+    per_expert = 3 * inter * h * torch.finfo(wdt).bits // 8
+    for start, stop, sel, sizes, offs in _expert_chunks(counts.tolist(), per_expert, hidden.device, grouped):
         w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, s1, s2, h, select=sel, select_rows=2 * inter)
-        w_gu = w_gu.view(len(chunk), 2 * inter, h)
-        xs = x[start:stop]
-        if grouped:
-            offs = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=hidden.device)
-            gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)
-        else:
-            gu = torch.cat([torch.nn.functional.linear(part, w_gu[i]) for i, part in enumerate(xs.split(sizes))])
+        gu = _expert_products(x[start:stop], w_gu.view(len(sizes), 2 * inter, h), sizes, offs, grouped).float()
         del w_gu
-        gu = gu.float()
         mid = (act(gu[:, :inter]) * gu[:, inter:]).to(wdt)
         w_d = L.dequantize_lut(d_packed, d_norms, d_cb, g, wdt, s1, s2, inter, select=sel, select_rows=h)
-        w_d = w_d.view(len(chunk), h, inter)
-        if grouped:
-            y[start:stop] = torch._grouped_mm(mid, w_d.transpose(1, 2), offs=offs)
-        else:
-            y[start:stop] = torch.cat([torch.nn.functional.linear(part, w_d[i]) for i, part in enumerate(mid.split(sizes))])
+        y[start:stop] = _expert_products(mid, w_d.view(len(sizes), h, inter), sizes, offs, grouped)
         del w_d
-        start = stop
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
     out.index_add_(0, tok, y * w[:, None])
     return out.to(dt)
@@ -168,8 +171,10 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
 
     Decode (at most `PAIR_MAX_ROWS` routed pairs): the rotations in torch (`rotation.rotate_rows`, no host
     synchronisation), the routed-pair GEMVs of `_pairs` (LUT or select GEMV), so the layer can be captured
-    in a CUDA graph. Otherwise, and for groups smaller than a kernel unit (3-bit groups of 16), the torch
-    reference, which groups tokens by expert."""
+    in a CUDA graph. Longer prompts with 16-bit activations and lookup-decodable projections (2-, 3-, 4-bit,
+    ternary in its runtime layout): the rotations in torch, once per token, and the routed experts' rotated-basis
+    matrices decoded in chunks for grouped products (`_hadamard_grouped_decoded`). Otherwise, and for groups
+    smaller than a kernel unit (3-bit groups of 16), the torch reference, which groups tokens by expert."""
     from turboquant_hf import ops, rotation
 
     t, h = hidden.shape
@@ -183,10 +188,13 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
             activation)
     whole_units = all(cb.numel() != 8 or g >= 32 for cb, g in
                       ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i)))
-    if t == 0 or t * k > PAIR_MAX_ROWS or not whole_units:
-        return ops.turboquant_hadamard_moe_experts._init_fn(*args)
     act = _activation(activation)
     sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
+    if t and t * k > PAIR_MAX_ROWS and whole_units and sixteen and all(
+            L.lut_unit(cb.numel(), g) for cb, g in ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i))):
+        return _hadamard_grouped_decoded(*args[:15], e, act)
+    if t == 0 or t * k > PAIR_MAX_ROWS or not whole_units:
+        return ops.turboquant_hadamard_moe_experts(*args)
     idx = top_k_index.reshape(-1)
     x = hidden.to(torch.float32)
 
@@ -207,3 +215,45 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
     y = pairs(rotation.rotate_rows(mid, down_signs.float()), 1, down_packed, down_norms, down_codebook, g_i)
     out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
     return out.to(hidden.dtype)
+
+
+def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs,
+                              up_packed, up_norms, up_codebook, up_signs, down_packed, down_norms, down_codebook,
+                              down_signs, e, act):
+    """Prefill of whole-row-Hadamard experts: the tokens rotated once per projection's signs (shared by every
+    expert), the routed experts' rotated-basis matrices (`norm * codebook[idx]`) decoded in chunks of at most
+    `PREFILL_SCRATCH_BYTES`, grouped products as in `_grouped_decoded`, the intermediate rows rotated with the down
+    projection's signs between the two."""
+    from turboquant_hf import rotation
+    from turboquant_hf.ops import expert_groups
+
+    t, h = hidden.shape
+    inter = gate_norms.shape[0] // e
+    g_h, g_i = h // gate_norms.shape[1], inter // down_norms.shape[1]
+    dt = hidden.dtype
+    wdt = torch.float32 if L._interpreting() else dt
+    tok, slot, counts = expert_groups(top_k_index, e)
+    x = hidden.to(torch.float32)
+    xg = rotation.rotate_rows(x, gate_signs.float())
+    xu = xg if torch.equal(gate_signs, up_signs) else rotation.rotate_rows(x, up_signs.float())
+    xg, xu = xg[tok].to(wdt), xu[tok].to(wdt)  # the routed pairs' rows, sorted by expert
+    d_signs = down_signs.float()
+    w = top_k_weights[tok, slot].to(torch.float32)
+    y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
+    grouped = _grouped_mm_ok(hidden)
+    per_expert = 3 * inter * h * torch.finfo(wdt).bits // 8
+    for start, stop, sel, sizes, offs in _expert_chunks(counts.tolist(), per_expert, hidden.device, grouped):
+        n = len(sizes)
+        w_g = L.dequantize_lut(gate_packed, gate_norms, gate_codebook, g_h, wdt, select=sel, select_rows=inter)
+        gate = _expert_products(xg[start:stop], w_g.view(n, inter, h), sizes, offs, grouped).float()
+        del w_g
+        w_u = L.dequantize_lut(up_packed, up_norms, up_codebook, g_h, wdt, select=sel, select_rows=inter)
+        up = _expert_products(xu[start:stop], w_u.view(n, inter, h), sizes, offs, grouped).float()
+        del w_u
+        mid = rotation.rotate_rows(act(gate) * up, d_signs).to(wdt)
+        w_d = L.dequantize_lut(down_packed, down_norms, down_codebook, g_i, wdt, select=sel, select_rows=h)
+        y[start:stop] = _expert_products(mid, w_d.view(n, h, inter), sizes, offs, grouped)
+        del w_d
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, tok, y * w[:, None])
+    return out.to(dt)

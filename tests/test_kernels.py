@@ -423,6 +423,22 @@ def test_hadamard_moe_experts_kernel_path(L, M, tiers):
     M.PAIR_MAX_ROWS = 8
     y = M.hadamard_moe_experts(*args)
     assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
+    # four tokens: the prefill path, the routed experts decoded two at a time (ternary in its runtime layout, read
+    # with the padded codebook, as TurboQuantExperts holds it on a GPU)
+    M.PREFILL_SCRATCH_BYTES = 2 * 3 * inter * h * 4
+    for i in range(3):
+        packed, cb = parts[4 * i], parts[4 * i + 2]
+        if cb.numel() == 3:
+            parts[4 * i] = layout.to_runtime(packed, 3, 64, parts[4 * i + 1].shape[1])
+            parts[4 * i + 2] = layout.pairs_codebook(cb)
+    hidden = torch.randn(4, h, generator=gen).to(torch.bfloat16)
+    idx = torch.tensor([[1, 4, 0], [3, 5, 2], [2, 2, 1], [0, 3, 4]])
+    wts = torch.rand(4, 3, generator=gen)
+    ref = ops.turboquant_hadamard_moe_experts(hidden.float(), idx, wts, *parts, e, "silu")
+    y = M.hadamard_moe_experts(hidden, idx, wts, *parts, e, "silu")
+    assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
+    # float32 activations at prefill: the torch reference itself
+    assert torch.equal(M.hadamard_moe_experts(hidden.float(), idx, wts, *parts, e, "silu"), ref)
 
 
 def test_unit_geometry_covers_groups(L):
