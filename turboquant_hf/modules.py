@@ -244,9 +244,9 @@ class TurboQuantLinear(nn.Module):
                 x, w.tq_packed, w.tq_norms, w.kernel_codebook(), w.tq_signs, w.group_size, self.in_features
             )
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        _, s1, s2 = format_constants(w.n_levels, w.group_size, w.tq_packed.device)
+        codebook, s1, s2 = format_constants(w.n_levels, w.group_size, w.tq_packed.device, w.runtime_layout)
         y = torch.ops.turboquant.linear(
-            x, w.tq_packed, w.tq_norms, w.kernel_codebook(), s1, s2, w.group_size, self.in_features
+            x, w.tq_packed, w.tq_norms, codebook, s1, s2, w.group_size, self.in_features
         )
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -325,10 +325,10 @@ class TurboQuantExperts(nn.Module):
             )
         gu, dn = self.gate_up_proj, self.down_proj
         device = gu.tq_packed.device
-        _, s1, s2 = format_constants(gu.n_levels, gu.group_size, device)
+        cb_gu, s1, s2 = format_constants(gu.n_levels, gu.group_size, device, gu.runtime_layout)
         return torch.ops.turboquant.moe_experts(
             hidden_states, top_k_index, top_k_weights,
-            gu.tq_packed, gu.tq_norms, gu.kernel_codebook(), dn.tq_packed, dn.tq_norms, dn.kernel_codebook(),
+            gu.tq_packed, gu.tq_norms, cb_gu, dn.tq_packed, dn.tq_norms, dn.kernel_codebook(),
             s1, s2, gu.group_size, self.num_experts, self.activation,
         )
 
