@@ -3,9 +3,10 @@
 Checkpoints always hold the published tq3_native layout (`codec.pack_indices`: every group an LSB-first
 bit stream of uint8, or base-3 digits for ternary). On a CUDA device the packed tensors of 2- and 3-bit
 weights are rearranged once, losslessly and without changing their size (ternary: below), into int32 words
-that the decode GEMV reads with fewer instructions and fully coalesced loads; the dtype (int32 instead of uint8) says which
-layout a tensor is in, so every kernel and the reference path accept both. `save_pretrained` /
-`state_dict()` and moving a module off the GPU give the published bytes back (`TurboQuantWeight`).
+that the decode GEMV reads with fewer instructions and fully coalesced loads; the dtype (int32 instead of
+uint8) says which layout a tensor is in, so every kernel and the reference path accept both.
+`save_pretrained` / `state_dict()` and moving a module off the GPU give the published bytes back
+(`TurboQuantWeight`).
 
 Ternary weights take the 2-bit runtime layout (digits 0, 1, 2 as 2-bit codes, read with the codebook
 `pairs_codebook`: -c, 0, +c and an unused 0), so every 2-bit kernel serves them. That costs memory: 2 bits
@@ -50,11 +51,6 @@ def wanted(n_levels: int, group_size: int) -> bool:
     if n_levels == 3 and os.environ.get("TURBOQUANT_COMPACT_TERNARY", "0") not in ("", "0"):
         return False
     return supports(n_levels, group_size)
-
-
-def runtime_levels(n_levels: int) -> int:
-    """The codebook size the kernels read a runtime-layout tensor with (ternary: the 2-bit layout's 4)."""
-    return 4 if n_levels == 3 else n_levels
 
 
 def pairs_codebook(codebook: torch.Tensor) -> torch.Tensor:
