@@ -106,6 +106,26 @@ def test_card_numbers_match_the_files(mixed_dir):
     assert "module_bits={'down_proj': 4}" in text
 
 
+def test_card_states_the_gpu_size_of_ternary_weights(base_with_card, mixed_dir, tmp_path):
+    """Ternary tensors: a GPU holds them as 2-bit codes (32 instead of 26 bytes a group of 128), and the card's
+    memory plan says so with the exact size; a checkpoint without ternary tensors gets no such row."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        base_with_card, quantization_config=TurboQuantConfig(bits=3, module_bits={"down_proj": 1.58}))
+    d = str(tmp_path / "ternary")
+    model.save_pretrained(d)
+    s = tq_card.checkpoint_summary(d)
+    # tiny Llama: 2 layers of down_proj, 128 rows over 352 inputs = 3 groups of 128; 6 more bytes a group
+    assert s["gpu_bytes"] - s["total_bytes"] == 2 * 128 * 3 * (32 - 26)
+    text = open(os.path.join(d, "README.md"), encoding="utf-8").read()
+    assert f"| weights on a GPU (ternary as 2-bit codes) | {tq_card.human_bytes(s['gpu_bytes'])} |" in text
+    assert "TURBOQUANT_COMPACT_TERNARY=1" in text
+    plain = open(os.path.join(mixed_dir, "README.md"), encoding="utf-8").read()
+    assert "weights on a GPU" not in plain and "TURBOQUANT_COMPACT_TERNARY" not in plain
+    assert tq_card.checkpoint_summary(mixed_dir)["gpu_bytes"] == tq_card.checkpoint_summary(mixed_dir)["total_bytes"]
+
+
 def test_quality_section_comes_from_the_eval_record(mixed_dir, tmp_path):
     d = str(tmp_path / "m")
     shutil.copytree(mixed_dir, d)

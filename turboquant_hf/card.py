@@ -19,6 +19,7 @@ import yaml
 
 from . import checkpoint as ckpt
 from . import format as fmt
+from . import layout as runtime_layout
 
 EVAL_NAME = "turboquant_eval.json"
 BUILD_NAME = "turboquant_build.json"
@@ -122,7 +123,9 @@ def _module_pattern(name: str) -> str:
 
 
 def checkpoint_summary(directory: str) -> dict[str, Any]:
-    """Sizes of a TurboQuant checkpoint from its safetensors headers: per tier, full precision, files, base."""
+    """Sizes of a TurboQuant checkpoint from its safetensors headers: per tier, full precision, files, base, and
+    `gpu_bytes`: the weights as a CUDA device holds them by default (ternary tensors as the 2-bit codes of
+    `turboquant_hf.layout`)."""
     files = safetensors_files(directory)
     if not files:
         raise CardError(f"{directory}: no .safetensors files")
@@ -144,7 +147,7 @@ def checkpoint_summary(directory: str) -> dict[str, Any]:
 
     tiers: dict[Any, dict] = {}
     quantized_names = set()
-    base_bytes = 0
+    base_bytes = gpu_extra = 0
     for key in ckpt.packed_weight_keys(index):
         packed, norms = index.get(key + fmt.PACKED_SUFFIX), index.get(key + fmt.NORMS_SUFFIX)
         if packed is None or norms is None:
@@ -165,6 +168,9 @@ def checkpoint_summary(directory: str) -> dict[str, Any]:
             except ValueError as e:
                 raise CardError(f"{directory}: {key}{fmt.PACKED_SUFFIX}: {e}") from e
             in_features = orig_in.get(key) or orig_in.get(module) or n_groups * group_size
+        g = in_features // n_groups if codebook is not None and signs is not None else group_size
+        if bits == fmt.TERNARY and runtime_layout.supports(3, g):  # (a GPU holds 2-bit codes)
+            gpu_extra += rows * n_groups * (4 * runtime_layout.runtime_width(3, g) - fmt.bytes_per_group(3, g))
         t = tiers.setdefault(bits, {"bits": bits, "layers": 0, "params": 0, "bytes": 0, "patterns": set()})
         t["layers"] += 1
         t["params"] += rows * in_features
@@ -198,6 +204,7 @@ def checkpoint_summary(directory: str) -> dict[str, Any]:
         "base_dtype_bytes": dtype_bytes,
         "base_bytes": base_bytes,
         "total_bytes": total,
+        "gpu_bytes": total + gpu_extra,
         "quantized_bytes": q_bytes,
         "quantized_params": q_params,
         "quantized_layers": sum(t["layers"] for t in tiers.values()),
@@ -413,6 +420,7 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
     size_ctx = dict(size)
     size_ctx.update(
         base_bytes_h=human_bytes(size["base_bytes"]), total_bytes_h=human_bytes(size["total_bytes"]),
+        gpu_bytes_h=human_bytes(size["gpu_bytes"]) if size["gpu_bytes"] != size["total_bytes"] else "",
         ratio=f"{size['base_bytes'] / size['total_bytes']:.1f}", quantized_params_h=human_count(size["quantized_params"]),
         full_precision_bytes_h=human_bytes(size["full_precision_bytes"]),
         full_precision_summary=_fp_summary(size["full_precision_tensors"]),
@@ -440,6 +448,9 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
         notes.append(f"The KV cache comes from {memory['kv_explain']}.")
     if rec["bytes"]:
         notes.append(memory["recurrent_explain"])
+    if size_ctx["gpu_bytes_h"]:
+        notes.append("On a GPU the ternary weights are held as 2-bit codes, which the faster kernels read; "
+                     "`TURBOQUANT_COMPACT_TERNARY=1` keeps them at their size on disk (slower kernels).")
     notes.append("The KV cache is not quantized; add activations and the framework's overhead on top.")
     memory["notes"] = " ".join(notes)
     config_code, recipe = _config_code(qc)  # the recipe the stored config equals, if any
