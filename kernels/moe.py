@@ -104,21 +104,32 @@ def _expert_products(a: torch.Tensor, w: torch.Tensor, sizes: list, offs, groupe
     return torch.cat([torch.nn.functional.linear(part, w[i]) for i, part in enumerate(a.split(sizes))])
 
 
+def _sorted_pairs(hidden, top_k_index, top_k_weights, e):
+    """The routed (token, slot) pairs sorted by expert (`ops.expert_groups`, one host synchronisation): their
+    token ids, routing weights (float32), per-expert counts (a list), and whether `torch._grouped_mm` serves them."""
+    from turboquant_hf.ops import expert_groups
+
+    tok, slot, counts = expert_groups(top_k_index, e)
+    return tok, top_k_weights[tok, slot].to(torch.float32), counts.tolist(), _grouped_mm_ok(hidden)
+
+
+def _weighted_sum(y, w, tok, hidden):
+    """Per token, the sum of its pairs' rows `y` times their routing weights `w`, in the activations' dtype."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, tok, y * w[:, None])
+    return out.to(hidden.dtype)
+
+
 def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1,
                      s2, g, e, act, inter):
     """Prefill over the routed experts' decoded weights (see the module docstring)."""
-    from turboquant_hf.ops import expert_groups
-
-    t, h = hidden.shape
-    dt = hidden.dtype
-    wdt = torch.float32 if L._interpreting() else dt  # (the interpreter computes in float32)
-    tok, slot, counts = expert_groups(top_k_index, e)
+    h = hidden.shape[1]
+    wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
+    tok, w, counts, grouped = _sorted_pairs(hidden, top_k_index, top_k_weights, e)
     x = hidden[tok].to(wdt)  # the routed pairs' tokens, sorted by expert
-    w = top_k_weights[tok, slot].to(torch.float32)
     y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
-    grouped = _grouped_mm_ok(hidden)
     per_expert = 3 * inter * h * torch.finfo(wdt).bits // 8
-    for start, stop, sel, sizes, offs in _expert_chunks(counts.tolist(), per_expert, hidden.device, grouped):
+    for start, stop, sel, sizes, offs in _expert_chunks(counts, per_expert, hidden.device, grouped):
         w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, s1, s2, h, select=sel, select_rows=2 * inter)
         gu = _expert_products(x[start:stop], w_gu.view(len(sizes), 2 * inter, h), sizes, offs, grouped).float()
         del w_gu
@@ -126,9 +137,7 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
         w_d = L.dequantize_lut(d_packed, d_norms, d_cb, g, wdt, s1, s2, inter, select=sel, select_rows=h)
         y[start:stop] = _expert_products(mid, w_d.view(len(sizes), h, inter), sizes, offs, grouped)
         del w_d
-    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, tok, y * w[:, None])
-    return out.to(dt)
+    return _weighted_sum(y, w, tok, hidden)
 
 
 def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
@@ -190,7 +199,7 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
                       ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i)))
     act = _activation(activation)
     sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
-    if t and t * k > PAIR_MAX_ROWS and whole_units and sixteen and all(
+    if t and t * k > PAIR_MAX_ROWS and sixteen and all(  # (lut_unit: 0 where a group is smaller than a unit)
             L.lut_unit(cb.numel(), g) for cb, g in ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i))):
         return _hadamard_grouped_decoded(*args[:15], e, act)
     if t == 0 or t * k > PAIR_MAX_ROWS or not whole_units:
@@ -225,24 +234,20 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     `PREFILL_SCRATCH_BYTES`, grouped products as in `_grouped_decoded`, the intermediate rows rotated with the down
     projection's signs between the two."""
     from turboquant_hf import rotation
-    from turboquant_hf.ops import expert_groups
 
-    t, h = hidden.shape
+    h = hidden.shape[1]
     inter = gate_norms.shape[0] // e
     g_h, g_i = h // gate_norms.shape[1], inter // down_norms.shape[1]
-    dt = hidden.dtype
-    wdt = torch.float32 if L._interpreting() else dt
-    tok, slot, counts = expert_groups(top_k_index, e)
+    wdt = torch.float32 if L._interpreting() else hidden.dtype
+    tok, w, counts, grouped = _sorted_pairs(hidden, top_k_index, top_k_weights, e)
     x = hidden.to(torch.float32)
     xg = rotation.rotate_rows(x, gate_signs.float())
     xu = xg if torch.equal(gate_signs, up_signs) else rotation.rotate_rows(x, up_signs.float())
     xg, xu = xg[tok].to(wdt), xu[tok].to(wdt)  # the routed pairs' rows, sorted by expert
     d_signs = down_signs.float()
-    w = top_k_weights[tok, slot].to(torch.float32)
     y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
-    grouped = _grouped_mm_ok(hidden)
     per_expert = 3 * inter * h * torch.finfo(wdt).bits // 8
-    for start, stop, sel, sizes, offs in _expert_chunks(counts.tolist(), per_expert, hidden.device, grouped):
+    for start, stop, sel, sizes, offs in _expert_chunks(counts, per_expert, hidden.device, grouped):
         n = len(sizes)
         w_g = L.dequantize_lut(gate_packed, gate_norms, gate_codebook, g_h, wdt, select=sel, select_rows=inter)
         gate = _expert_products(xg[start:stop], w_g.view(n, inter, h), sizes, offs, grouped).float()
@@ -254,6 +259,4 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
         w_d = L.dequantize_lut(down_packed, down_norms, down_codebook, g_i, wdt, select=sel, select_rows=h)
         y[start:stop] = _expert_products(mid, w_d.view(n, h, inter), sizes, offs, grouped)
         del w_d
-    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, tok, y * w[:, None])
-    return out.to(dt)
+    return _weighted_sum(y, w, tok, hidden)

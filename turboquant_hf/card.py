@@ -169,8 +169,9 @@ def checkpoint_summary(directory: str) -> dict[str, Any]:
                 raise CardError(f"{directory}: {key}{fmt.PACKED_SUFFIX}: {e}") from e
             in_features = orig_in.get(key) or orig_in.get(module) or n_groups * group_size
         g = in_features // n_groups if codebook is not None and signs is not None else group_size
-        if bits == fmt.TERNARY and runtime_layout.supports(3, g):  # (a GPU holds 2-bit codes)
-            gpu_extra += rows * n_groups * (4 * runtime_layout.runtime_width(3, g) - fmt.bytes_per_group(3, g))
+        if bits == fmt.TERNARY:  # (a GPU holds 2-bit codes by default)
+            gpu_extra += rows * n_groups * (runtime_layout.gpu_bytes_per_group(3, g, settings=False)
+                                            - fmt.bytes_per_group(3, g))
         t = tiers.setdefault(bits, {"bits": bits, "layers": 0, "params": 0, "bytes": 0, "patterns": set()})
         t["layers"] += 1
         t["params"] += rows * in_features

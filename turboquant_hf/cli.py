@@ -524,7 +524,7 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
         n_levels = fmt.levels_for_bits(bits)
         groups = rows * -(-in_features // G)
         packed = groups * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))
-        on_gpu = 4 * layout.runtime_width(n_levels, G) if layout.wanted(n_levels, G) else fmt.bytes_per_group(n_levels, G)
+        on_gpu = layout.gpu_bytes_per_group(n_levels, G)
         t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
                                     "base_bytes": 0})
         t["tensors"] += 1

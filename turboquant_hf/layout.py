@@ -83,6 +83,14 @@ def runtime_width(n_levels: int, group_size: int) -> int:
     return group_size * {3: 2, 4: 2, 8: 3}[n_levels] // 32
 
 
+def gpu_bytes_per_group(n_levels: int, group_size: int, settings: bool = True) -> int:
+    """Packed bytes per group as a CUDA device holds them: the runtime layout's where the weight takes it
+    (`wanted`; with `settings=False` the default, ignoring TURBOQUANT_COMPACT_TERNARY), else the published."""
+    if wanted(n_levels, group_size) if settings else supports(n_levels, group_size):
+        return 4 * runtime_width(n_levels, group_size)
+    return fmt.bytes_per_group(n_levels, group_size)
+
+
 def to_runtime(packed: torch.Tensor, n_levels: int, group_size: int, n_groups: int) -> torch.Tensor:
     """Published uint8 `(rows*n_groups, bytes_per_group)` -> runtime int32 `(rows*n_groups, words_per_group)`
     (`bytes_per_group / 4` words; ternary `G / 16`)."""
