@@ -355,9 +355,10 @@ DOT_SWEEP = [(64, 4, 1, 0), (64, 4, 1, 0x01010101), (64, 4, 1, 0x11111111), (32,
              (128, 8, 1, 0x01010101), (64, 8, 1, 0x01010101), (32, 4, 1, 0)]
 
 
-LUT_SWEEP = [(8, 4, 1), (4, 4, 1), (8, 2, 1), (4, 8, 1), (16, 4, 1), (8, 8, 1),
-             (4, 4, 2), (8, 4, 2), (2, 4, 2), (4, 4, 4), (2, 4, 4), (8, 4, 4), (4, 2, 4), (1, 4, 4)]
-LUT_ONLY = False
+# pair GEMV configurations tried by --sweep-pairs: (BN, warps[, maxnreg]) at M = 1
+PAIR_SWEEP = [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (4, 8), (8, 8, 64), (8, 4, 96), (16, 4, 96), (4, 8, 64),
+              (4, 4, 64)]
+PAIRS_ONLY = False
 
 
 def _time_variants(case, label, m, x, ref, variants, graph, t_b):
@@ -394,22 +395,18 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
         del bbufs
         rows.append(dict(shape=label, bits=str(case.bits), M=m, variant="bf16 F.linear", us=t_b))
         variants = []
-        if LUT_ONLY:
-            unit = L.lut_unit(nl)
-            x_t = L.rotate(x, case.s1, case.s2, g, torch.float32, unit=unit)
-            t_r, _ = time_calls([lambda: L.rotate(x, case.s1, case.s2, g, torch.float32, unit=unit)] * 8, True)
-            rows.append(dict(shape=label, bits=str(case.bits), M=m, variant="rotate (unit-major) only", us=t_r))
-            variants.append(("whole op", lambda p, nr: torch.ops.turboquant.linear(x, p, nr, case.cb, case.s1, case.s2,
+        if PAIRS_ONLY:
+            cb = case.cb_ours
+            unit = L.lut_unit(cb.numel())
+            x2, xs = L.rotate(x, case.s1, case.s2, g, torch.bfloat16, unit=unit)
+            t_r, _ = time_calls([lambda: L.rotate(x, case.s1, case.s2, g, torch.bfloat16, unit=unit)] * 8, True)
+            rows.append(dict(shape=label, bits=str(case.bits), M=m, variant="rotate (pair layout) only", us=t_r))
+            variants.append(("whole op", lambda p, nr: torch.ops.turboquant.linear(x, p, nr, cb, case.s1, case.s2,
                                                                                    g, k)))
-            d0 = L._lut_config(n, ng * g // unit, m)
-            sweep = [c for c in LUT_SWEEP if c[2] == d0[2]] if m > 1 else [c[:2] + (1,) for c in LUT_SWEEP[:6]]
-            for cfg in [d0] + [c for c in sweep if c != d0]:
-                variants.append((f"lut gemv only {cfg}" + (" *" if cfg == d0 else ""),
-                                 lambda p, nr, cfg=cfg: L.gemv_lut(x_t, p, nr, case.cb, g, torch.bfloat16, config=cfg)))
-            if m > 1:
-                x_r16 = L.rotate(x, case.s1, case.s2, g, torch.bfloat16)
-                variants.append(("dot gemv only (default)", lambda p, nr: L.gemv_dot(
-                    x_r16, p, nr, case.cb, g, torch.bfloat16)))
+            d0 = L._pair_config(n, ng * g // unit, cb.numel())
+            for cfg in [d0] + [c for c in PAIR_SWEEP if c != d0]:
+                variants.append((f"pair gemv only {cfg}" + (" *" if cfg == d0 else ""),
+                                 lambda p, nr, cfg=cfg: L.gemv_pairs(x2, xs, p, nr, cb, g, torch.bfloat16, config=cfg)))
         elif m == 1:
             x_rot = L.rotate(x, case.s1, case.s2, g, torch.float32)
             t_r, _ = time_calls([lambda: L.rotate(x, case.s1, case.s2, g, torch.float32)] * 8, True)
@@ -492,7 +489,7 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time kernel configurations instead of the table")
-    ap.add_argument("--sweep-lut", action="store_true", help="time LUT GEMV configurations (M = 1, 2- and 3-bit)")
+    ap.add_argument("--sweep-pairs", action="store_true", help="time pair GEMV configurations (M = 1, every bit width)")
     ap.add_argument("--md", help="write the table as markdown here")
     ap.add_argument("--json", help="write raw rows as JSON here")
     ap.add_argument("--shapes", help="comma-separated shape indices (default: all)")
@@ -500,19 +497,19 @@ def main() -> int:
     ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    run_peer = not (args.no_peer or args.sweep or args.sweep_lut)
+    run_peer = not (args.no_peer or args.sweep or args.sweep_pairs)
     env = environment(run_peer)
     print(json.dumps(env), flush=True)
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
-    if args.sweep_lut:
-        global LUT_ONLY
-        LUT_ONLY = True
+    if args.sweep_pairs:
+        global PAIRS_ONLY
+        PAIRS_ONLY = True
         args.sweep = True
-        for bits in (3,):
+        for bits in (3, 2, 4, fmt.TERNARY):
             for label, k, n in shapes:
                 case = Case(k, n, bits)
-                rows += sweep_case(case, label, ms=(1, 2, 4))
+                rows += sweep_case(case, label, ms=(1,))
                 del case
                 torch.cuda.empty_cache()
     elif args.sweep:
@@ -537,15 +534,16 @@ def main() -> int:
                 print(json.dumps(r), flush=True)
             del case
             torch.cuda.empty_cache()
-        label, k, n = next((s for s in shapes if s[1] == 8192), shapes[0])
-        for bits in (fmt.TERNARY, 2, 4):
-            case = Case(k, n, bits)
-            for m in [v for v in ms if v <= 16]:
-                r = bench_case(case, m, peer=run_peer)
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-            del case
-            torch.cuda.empty_cache()
+        # the other bit widths on the two shapes the targets name (4096 -> 14336 and 8192 -> 28672)
+        for label, k, n in [s for s in shapes if (s[1], s[2]) in ((4096, 14336), (8192, 28672))] or shapes[:1]:
+            for bits in (fmt.TERNARY, 2, 4):
+                case = Case(k, n, bits)
+                for m in [v for v in ms if v <= 16]:
+                    r = bench_case(case, m, peer=run_peer)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                del case
+                torch.cuda.empty_cache()
         command = "python " + " ".join(sys.argv)
         md = markdown(rows, env, command)
         print(md)

@@ -11,7 +11,7 @@ with a 4-entry codebook: to these kernels a 2-bit weight):
    +-1 matrix, so bf16/fp16 inputs rotate exactly (fp32 accumulation) and
    fp32 inputs use full-precision dots.
 2. the codebook product, chosen by the number of activation rows M:
-   - `gemv_fma` (M == 1 without a LUT codebook, and any M for float32 activations): one program per
+   - `gemv_fma` (M == 1 where the pair GEMV does not serve, and any M for float32 activations): one program per
      block of BN weight rows (and per activation row), the packed bytes of
      GPI groups per step decoded in registers, turned into codebook values
      and multiplied into float32 partial sums per group, which are scaled by
@@ -19,10 +19,14 @@ with a 4-entry codebook: to these kernels a 2-bit weight):
      load of the (L1-resident) codebook or from a tree of selects on the
      index bits; `LUT_MASKS` mixes the two per index position so both the
      load/store and the integer pipes work.
-   - `gemv_lut` (M <= LUT_MAX_M, 2-, 3- and 4-bit, 16-bit activations): the
-     codebook looked up with byte permutes (`prmt`) in registers, FMA into
-     float32 sums scaled by the group norms.
-   - `gemv_dot` (LUT_MAX_M < M <= DOT_MAX_M): 2-, 3- and 4-bit weights
+   - `gemv_pairs` (M <= PAIR_MAX_M, 2-, 3- and 4-bit, 16-bit activations):
+     the codebook looked up with byte permutes (`prmt`) in registers as
+     float16 pairs, multiplied two at a time into float16 pairs of the
+     activations (`fma.rn.f16x2`; each group of activations scaled by a power
+     of two so nothing overflows), a unit's chain summed into float32 and
+     scaled by the group norms. The rotation writes the activations in that
+     pair layout directly.
+   - `gemv_dot` (PAIR_MAX_M < M <= DOT_MAX_M): 2-, 3- and 4-bit weights
      (`_gemv_mma_kernel`) decoded by byte permutes straight into the
      registers of `mma.sync` operands (the order of the inputs inside a block
      chosen so that a lane's decoded pairs are its operand registers, with no
@@ -364,7 +368,34 @@ def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr, TUNED: tl.constexpr, 
 # ---------------------------------------------------------------------------
 
 @triton.jit
-def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, M, K, stride_xm, stride_om, scale,
+def _group_norm(x, axis: tl.constexpr):
+    """L2 norms of float32 `x` along `axis`, scaled by the largest magnitude first (no overflow or underflow of
+    the squares for any finite input)."""
+    amax = tl.max(tl.abs(x), axis=axis)
+    inv = 1.0 / tl.where(amax > 0, amax, 1.0)  # (an all-zero group: any finite factor)
+    xn = x * tl.expand_dims(inv, axis)
+    return amax * tl.sqrt(tl.sum(xn * xn, axis=axis))
+
+
+@triton.jit
+def _pair_exponent(nrm):
+    """Per-group exponent e (float32, an integer) with `nrm * 2**-e <= 2**8` (0 for a zero norm): the pair
+    GEMV's activations are stored as float16 times 2**-e, so no float16 value, product or chained sum can
+    overflow (see `gemv_pairs`)."""
+    ex = tl.where(nrm > 0, tl.ceil(tl.log2(tl.maximum(nrm, 1e-30))) - 8.0, 0.0)
+    return tl.minimum(tl.maximum(ex, -120.0), 120.0)
+
+
+@triton.jit
+def _pair_column(col, PER_T: tl.constexpr, NUT: tl.constexpr):
+    """Where column `col` of a rotated row goes in the pair layout (16-bit elements): element j of unit u at
+    `(j // 2) * 2 NUT + 2 u + j % 2`, so 32-bit word `q NUT + u` holds elements 2q, 2q + 1 of unit u."""
+    j = col % PER_T
+    return (j // 2) * (2 * NUT) + 2 * (col // PER_T) + (j % 2)
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, xs_ptr, M, K, stride_xm, stride_om, stride_sm, scale,
                    G: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, EXACT16: tl.constexpr,
                    PER_T: tl.constexpr, NUT: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the GEMV that reads this output may start its prologue now (it waits for this grid's end)
@@ -393,9 +424,14 @@ def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, M, K, stride_xm, strid
     y = y * scale * s2[None, :]
     col = pid_g * G + cc
     if PER_T > 0:
-        # unit-major: element j of unit u at j * NUT + u, so that the GEMV's lanes (one unit each)
-        # read consecutive addresses
-        col = (col % PER_T) * NUT + col // PER_T
+        # the pair GEMV's activations: float16 pairs in unit order, scaled by a power of two per group (every
+        # program of the group computes the same one)
+        xf = x.to(tl.float32)
+        ex = _pair_exponent(_group_norm(xf, 1))
+        y = y * tl.exp2(-ex)[:, None]
+        if pid_c == 0:
+            tl.store(xs_ptr + rm * stride_sm + pid_g, tl.exp2(ex), mask=mmask)
+        col = _pair_column(col, PER_T, NUT)
     optr = out_ptr + rm[:, None] * stride_om + col[None, :]
     tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
 
@@ -414,29 +450,31 @@ def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
-           out_dtype: torch.dtype, unit: int = 0) -> torch.Tensor:
+           out_dtype: torch.dtype, unit: int = 0):
     """`(M, in)` activations -> `(M, n_groups*G)` rotated, zero-padded, in `out_dtype`.
 
-    With `unit` > 0 every row is stored unit-major: the `n_groups*G/unit` units of `unit` consecutive
-    columns are transposed, so column `u*unit + j` lands at `j*n_units + u` (the LUT GEMV's layout)."""
+    With `unit` > 0 (`lut_unit(levels)`): the pair GEMV's activations `(x2, scales)` for weights of that
+    unit instead (see `gemv_pairs`; `out_dtype` is ignored)."""
     m, k = x2.shape
     g = group_size
     ng = -(-k // g)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(m, ng * g, dtype=out_dtype, device=x2.device)
+    pairs = unit > 0
+    out = torch.empty(m, ng * g, dtype=torch.float16 if pairs else out_dtype, device=x2.device)
+    xs = torch.empty(m, ng, dtype=torch.float32, device=x2.device) if pairs else out
     if m == 0:
-        return out
+        return (out.view(torch.int32), xs) if pairs else out
     bm = 64 if m > 16 and x2.dtype != torch.float32 else 16
     exact16 = x2.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     bc = min(g, 64 if exact16 else 32)
     grid = (triton.cdiv(m, bm), ng, g // bc)
     hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
     pdl = _pdl(x2.device, ng * g)
-    _rotate_kernel[grid](x2, signs1, signs2, out, hmat, m, k, x2.stride(0), out.stride(0), 1.0 / math.sqrt(g),
-                         G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit, NUT=(ng * g) // unit if unit else 0,
-                         PDL=pdl, num_warps=4)
-    return out
+    _rotate_kernel[grid](x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
+                         1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
+                         NUT=(ng * g) // unit if unit else 0, PDL=pdl, num_warps=4)
+    return (out.view(torch.int32), xs) if pairs else out
 
 
 # ---------------------------------------------------------------------------
@@ -452,7 +490,7 @@ def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, NG, s
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     if EXPERTS > 0:
-        # routed pairs (see `_gemv_lut_kernel`): matrix idx[m] of EXPERTS stacked ones, activation row m // X_DIV
+        # routed pairs (see `_gemv_pair_kernel`): matrix idx[m] of EXPERTS stacked ones, activation row m // X_DIV
         e = tl.load(idx_ptr + m).to(tl.int32)
         live = (e >= 0) & (e < EXPERTS)
         e = tl.where(live, e, 0).to(tl.int64)
@@ -564,7 +602,7 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
              expert_index: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
     """`(M, n_groups*G)` float32 rotated activations times the packed weight -> `(M, rows)` in out_dtype.
 
-    `experts`, `expert_index`, `x_div`: routed pairs over stacked matrices, as in `gemv_lut`."""
+    `experts`, `expert_index`, `x_div`: routed pairs over stacked matrices, as in `gemv_pairs`."""
     if experts:
         m = expert_index.numel()
         n, ng = norms.shape[0] // experts, norms.shape[1]
@@ -588,18 +626,18 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
 
 
 # ---------------------------------------------------------------------------
-# 2a'. LUT GEMV: codebook lookups with byte permutes (2-, 3- and 4-bit, M <= LUT_MAX_M)
+# 2a'. codebook lookups with byte permutes (the pair GEMV, the tensor-core GEMV, the lookup dequantization)
 # ---------------------------------------------------------------------------
 #
 # A codebook of up to 8 entries fits in four 32-bit registers as byte tables: the low bytes of the
 # entries' 16-bit patterns (two registers) and their high bytes (two more). One `prmt` (byte permute)
-# looks up four indices at once, given them as the four nibbles of its selector; a third `prmt` per
-# weight assembles the float32 word `(P << 16) | P` from a low and a high byte. P is the 16-bit
-# pattern whose float32 reading of `(P << 16) | P` is nearest to the codebook entry (bfloat16
+# looks up four indices at once, given them as the four nibbles of its selector; more permutes assemble
+# the values from a low and a high byte: two 16-bit values per register (the pair and tensor-core GEMVs,
+# `_mma_pairs`), or the float32 word `(P << 16) | P` per value (`_lut8`, the lookup dequantization), P the
+# 16-bit pattern whose float32 reading of `(P << 16) | P` is nearest to the codebook entry (bfloat16
 # precision: relative error below 2^-8 per entry, far below the quantization error). The packed
-# indices are spread from 3-bit (or 2-bit) fields to nibbles with shifts and masks, eight at a time.
-# Per weight this is about 3.5 instructions (spread, lookup, assemble, FMA) instead of ~10 for bit
-# tests and selects.
+# indices are spread from 3-bit (or 2-bit) fields to nibbles with shifts and masks, eight at a time
+# (in the runtime layout they already sit in nibbles).
 
 @triton.jit
 def _pattern(c):
@@ -633,8 +671,8 @@ def _entry_pattern(c, PAIRS: tl.constexpr):
 def _byte_tables(cb_ptr, NLEV: tl.constexpr, PAIRS: tl.constexpr = 0):
     """The codebook (NLEV <= 16 entries) as eight uint32 byte tables: low bytes of entries 0-3, 4-7, high
     bytes of entries 0-3, 4-7, then the same for entries 8-15 (missing entries are zero). The 16-bit pattern
-    of an entry: PAIRS 0, the P with float32((P << 16) | P) nearest to it (the LUT GEMV's float32 values);
-    1, its bfloat16 and 2, its float16 encoding (the tensor-core GEMV's 16-bit pairs)."""
+    of an entry: PAIRS 0, the P with float32((P << 16) | P) nearest to it (`_lut8`'s float32 values);
+    1, its bfloat16 and 2, its float16 encoding (the tensor-core and pair GEMVs' 16-bit pairs)."""
     t0 = _entry_pattern(tl.load(cb_ptr).to(tl.float32), PAIRS)
     t1 = t0 & 0
     t2 = t0 >> 8
@@ -831,228 +869,23 @@ def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.co
     return d
 
 
-@triton.jit
-def _gemv_lut_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, stride_xm, stride_om,
-                     NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-                     BM: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr,
-                     TUNED: tl.constexpr, PDL: tl.constexpr):
-    """One program per BN weight rows x BM activation rows: one unit per lane, BN rows per thread; every
-    index is decoded once and multiplied into the BM activation rows.
-
-    EXPERTS > 0: the weight is EXPERTS stacked matrices of N rows, and output row p (BM == 1) is matrix
-    `idx[p]` times activation row `p // X_DIV` (routed (token, slot) pairs); an index outside
-    [0, EXPERTS) gives a zero row. Only the routed matrices are read."""
-    PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
-    WPU: tl.constexpr = 3 if NLEV == 8 else 1
-    NUT: tl.constexpr = NG * UPG
-    EVEN_U: tl.constexpr = NUT % BU == 0
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rl = tl.minimum(rn, N - 1)  # clamped rows: loads stay in bounds, their sums are not stored
-    if EXPERTS > 0:
-        e = tl.load(idx_ptr + pid_m).to(tl.int32)
-        live = (e >= 0) & (e < EXPERTS)
-        e = tl.where(live, e, 0).to(tl.int64)
-        pk_ptr += e * (N * NUT * WPU)
-        nrm_ptr += e * (N * NG)
-        rm = pid_m // X_DIV + tl.arange(0, BM)
-        mmask = rm >= 0
-    else:
-        rm = pid_m * BM + tl.arange(0, BM)
-        mmask = rm < M
-    ru = tl.arange(0, BU)
-    acc = tl.zeros([BM, BN, BU], dtype=tl.float32)
-    xrows = xt_ptr + rm[:, None] * stride_xm  # [BM, 1]
-    if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
-        gdc_wait()
-    for u0 in tl.range(0, NUT, BU):
-        uu = u0 + ru
-        unit_off = rl[:, None] * NUT + uu[None, :]
-        if EVEN_U:
-            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, rl[:, None], NUT)
-            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
-            xm = mmask[:, None]
-        else:
-            um = (rl >= 0)[:, None] & (uu < NUT)[None, :]
-            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, TUNED, rl[:, None], NUT)
-            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
-            xm = mmask[:, None] & (uu < NUT)[None, :]
-        part = tl.zeros([BM, BN, BU], dtype=tl.float32)
-        for ch in tl.static_range(PER // 8):
-            d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
-            xp = xrows + (8 * ch) * NUT + uu[None, :]  # [BM, BU]
-            part += v0[None, :, :] * tl.load(xp, mask=xm, other=0.0)[:, None, :]
-            part += v1[None, :, :] * tl.load(xp + NUT, mask=xm, other=0.0)[:, None, :]
-            part += v2[None, :, :] * tl.load(xp + 2 * NUT, mask=xm, other=0.0)[:, None, :]
-            part += v3[None, :, :] * tl.load(xp + 3 * NUT, mask=xm, other=0.0)[:, None, :]
-            part += v4[None, :, :] * tl.load(xp + 4 * NUT, mask=xm, other=0.0)[:, None, :]
-            part += v5[None, :, :] * tl.load(xp + 5 * NUT, mask=xm, other=0.0)[:, None, :]
-            part += v6[None, :, :] * tl.load(xp + 6 * NUT, mask=xm, other=0.0)[:, None, :]
-            part += v7[None, :, :] * tl.load(xp + 7 * NUT, mask=xm, other=0.0)[:, None, :]
-        acc += part * nr[None, :, :]
-    y = tl.sum(acc, axis=2)  # [BM, BN]
-    if EXPERTS > 0:
-        y = tl.where(live, y, 0.0)
-        rm = pid_m + tl.arange(0, BM)
-    optr = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & (rn < N)[None, :])
+# Largest M served by the pair GEMV (one program row per activation row: every row reads the weight again; above
+# it the tensor-core GEMV or dequantize + cuBLAS): 2, 1 for 16-entry codebooks. Whole op on an H200, pair vs
+# tensor-core GEMV, us, M = 2: 3-bit 4096x14336 23.7 vs 42.7, 8192x28672 87.2 vs 115.7, 14336x4096 35.5 vs 64.0;
+# 2-bit 8192x28672 98.0 vs 108.1; 4-bit 8192x28672 147.3 vs 119.7. M = 3: 3-bit 8192x28672 125.7 vs 116.1.
+PAIR_MAX_M = 2
 
 
-@triton.jit
-def _gemv_lut1_kernel(xt_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stride_xm, stride_om,
-                      NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-                      USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr, PDL: tl.constexpr):
-    """`_gemv_lut_kernel` for one activation row per program, on 2-D `[BN, BU]` tiles (the 3-D tiles of
-    the general kernel cost this case a third of its speed on an H200)."""
-    PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
-    WPU: tl.constexpr = 3 if NLEV == 8 else 1
-    NUT: tl.constexpr = NG * UPG
-    EVEN_U: tl.constexpr = NUT % BU == 0
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rl = tl.minimum(rn, N - 1)  # clamped rows: loads stay in bounds, their sums are not stored
-    if EXPERTS > 0:
-        e = tl.load(idx_ptr + m).to(tl.int32)
-        live = (e >= 0) & (e < EXPERTS)
-        e = tl.where(live, e, 0).to(tl.int64)
-        pk_ptr += e * (N * NUT * WPU)
-        nrm_ptr += e * (N * NG)
-        xrow = xt_ptr + (m // X_DIV) * stride_xm
-    else:
-        xrow = xt_ptr + m * stride_xm
-    ru = tl.arange(0, BU)
-    acc = tl.zeros([BN, BU], dtype=tl.float32)
-    if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
-        gdc_wait()
-    for u0 in tl.range(0, NUT, BU):
-        uu = u0 + ru
-        unit_off = rl[:, None] * NUT + uu[None, :]
-        if EVEN_U:
-            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, rl[:, None], NUT)
-            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
-        else:
-            um = (rl >= 0)[:, None] & (uu < NUT)[None, :]
-            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, TUNED, rl[:, None], NUT)
-            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
-            xm = uu < NUT
-        part = tl.zeros([BN, BU], dtype=tl.float32)
-        for ch in tl.static_range(PER // 8):
-            d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _lut8(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
-            xp = xrow + (8 * ch) * NUT + uu
-            if EVEN_U:
-                part += v0 * tl.load(xp)[None, :]
-                part += v1 * tl.load(xp + NUT)[None, :]
-                part += v2 * tl.load(xp + 2 * NUT)[None, :]
-                part += v3 * tl.load(xp + 3 * NUT)[None, :]
-                part += v4 * tl.load(xp + 4 * NUT)[None, :]
-                part += v5 * tl.load(xp + 5 * NUT)[None, :]
-                part += v6 * tl.load(xp + 6 * NUT)[None, :]
-                part += v7 * tl.load(xp + 7 * NUT)[None, :]
-            else:
-                part += v0 * tl.load(xp, mask=xm, other=0.0)[None, :]
-                part += v1 * tl.load(xp + NUT, mask=xm, other=0.0)[None, :]
-                part += v2 * tl.load(xp + 2 * NUT, mask=xm, other=0.0)[None, :]
-                part += v3 * tl.load(xp + 3 * NUT, mask=xm, other=0.0)[None, :]
-                part += v4 * tl.load(xp + 4 * NUT, mask=xm, other=0.0)[None, :]
-                part += v5 * tl.load(xp + 5 * NUT, mask=xm, other=0.0)[None, :]
-                part += v6 * tl.load(xp + 6 * NUT, mask=xm, other=0.0)[None, :]
-                part += v7 * tl.load(xp + 7 * NUT, mask=xm, other=0.0)[None, :]
-        acc += part * nr
-    y = tl.sum(acc, axis=1)
-    if EXPERTS > 0:
-        y = tl.where(live, y, 0.0)
-    tl.store(out_ptr + m * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
-
-
-# Largest M served by the LUT GEMV (above it the tensor-core GEMV or dequantize + cuBLAS): at M = 2 the
-# tensor-core GEMV was faster on three of the four large benchmark shapes (H200).
-LUT_MAX_M = 1
+def _pair_rows(n_levels: int) -> int:
+    """Largest M the pair GEMV serves for a codebook of `n_levels` entries."""
+    return 1 if n_levels == 16 else PAIR_MAX_M
 
 
 def lut_unit(n_levels: int, group_size: int | None = None) -> int:
-    """Indices per unit of the LUT GEMV (0: that codebook size, or a group smaller than a unit, does not
-    use it)."""
+    """Indices per unit of the byte-permute kernels (pair GEMV, lookup dequantization; 0: that codebook size,
+    or a group smaller than a unit, does not use them)."""
     unit = {16: 8, 8: 32, 4: 16}.get(n_levels, 0)
     return 0 if group_size is not None and unit and group_size % unit else unit
-
-
-def _lut_config(n: int, nut: int, m: int = 1, nibble_ready: bool = False) -> tuple:
-    """(BN, num_warps, BM) for the LUT GEMV, from the weight shape (rows n, units per row nut), the
-    activation-row bucket (1, 2, 4, 8, 16) and whether the indices sit in nibbles already (the runtime
-    layout, and 4-bit in any layout): one unit per lane, BN weight rows per
-    thread, BM activation rows per program (and optionally a register cap). The runtime-layout choices at
-    M = 1 come from a sweep on an H200 (2- and 3-bit, the benchmark shapes): more warps for short rows
-    and few rows, fewer for many; a cap of 64 registers for long rows of 2-bit units (14336 inputs: 20.3
-    instead of 24.5 us for 14336x4096)."""
-    if nibble_ready and m <= 1 and nut >= 64:
-        if n >= 16384:
-            return 8, 4, 1
-        if n <= 2048:
-            return 4, 8, 1, 64  # (a cap of 64 registers: the occupancy these short kernels need)
-        if nut <= 128:
-            return 16, 8, 1
-        return (8, 8, 1) if nut % 256 == 0 or nut < 512 else (8, 8, 1, 64)
-    bm = 1 if m <= 1 else min(16, triton.next_power_of_2(m))
-    warps = 4 if nut >= 128 else (2 if nut >= 64 else 1)
-    bn = 8 if (n >= 8192 and bm <= 2) or bm == 4 else 4
-    if bm >= 8:
-        bn = 2
-    return bn, warps, bm
-
-
-def gemv_lut(x_t: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
-             group_size: int, out_dtype: torch.dtype, config=None, experts: int = 0,
-             expert_index: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
-    """Unit-major rotated activations (`rotate(..., unit=lut_unit(levels))`, float32) times a 2- or
-    3-bit packed weight -> `(M, rows)` in out_dtype.
-
-    With `experts` = E > 0 the weight is E stacked matrices (norms `(E*rows, n_groups)`) and the result
-    has one row per entry p of `expert_index` (flat, int): matrix `expert_index[p]` times activation row
-    `p // x_div`; entries outside [0, E) give zero rows."""
-    n_levels = codebook.numel()
-    if experts:
-        m = expert_index.numel()
-        n, ng = norms.shape[0] // experts, norms.shape[1]
-    else:
-        m = x_t.shape[0]
-        n, ng = norms.shape
-    per = lut_unit(n_levels)
-    if not per:
-        raise ValueError(f"the LUT GEMV serves 4-, 8- and 16-entry codebooks, not {n_levels}")
-    upg = group_size // per
-    nut = ng * upg
-    cfg = tuple(config or _lut_config(n, nut, 1 if experts else m, _tuned(packed) or n_levels == 16))
-    bn, warps, bm, *extra = cfg if len(cfg) >= 3 else (*cfg, 1)
-    opts = {"maxnreg": extra[0]} if extra and extra[0] else {}
-    pdl = _pdl(x_t.device, x_t.shape[1])
-    if pdl:
-        opts["launch_pdl"] = True
-    if experts:
-        bm = 1
-    bu = min(32 * warps, triton.next_power_of_2(nut))
-    out = torch.empty(m, n, dtype=out_dtype, device=x_t.device)
-    if m == 0 or n == 0:
-        return out
-    pk = _packed_view(packed, 1)
-    idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
-    if bm == 1:
-        _gemv_lut1_kernel[(triton.cdiv(n, bn), m)](
-            x_t, pk, norms, codebook, out, idx, n, x_t.stride(0), out.stride(0), NG=ng, NLEV=n_levels, UPG=upg,
-            BN=bn, BU=bu, USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed),
-            PDL=pdl, num_warps=warps, **opts)
-        return out
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _gemv_lut_kernel[grid](x_t, pk, norms, codebook, out, idx, m, n, x_t.stride(0), out.stride(0),
-                           NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm,
-                           USE_ASM=not _interpreting(), EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed),
-                           PDL=pdl, num_warps=warps, **opts)
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -1455,6 +1288,240 @@ def _mma_block_norms(nrm_ptr, nb, nrow, N, NBLK: tl.constexpr, UPB: tl.constexpr
     else:
         nr = _mma_norm_rows(nrm_ptr + (nb * UPB) // UPG, nrow, N, nb < NBLK, NG, A)
     return nr
+
+
+# ---------------------------------------------------------------------------
+# 2a''. pair GEMV (M == 1 and routed expert pairs, 16-bit activations): half-precision pair products
+# ---------------------------------------------------------------------------
+#
+# The lookups of the tensor-core GEMV (`_mma_pairs`, `_mma_pairs2`) give two float16 codebook values per
+# 32-bit register, and one `fma.rn.f16x2` multiplies them into two activations at once: per weight about
+# half the instructions of assembling a float32 value for an FFMA (H200, whole op at M = 1, 3-bit: 1.3-1.4x
+# faster on the large shapes, benchmarks/RESULTS.md). The activations come as float16 pairs in the order a
+# unit decodes (`rotate(..., unit=...)` or `pack_pairs`: word q * NUT + u holds elements 2q, 2q + 1 of
+# unit u), each group scaled by a power of two 2**-e (e per activation row and group, `_pair_exponent`)
+# so that the group's L2 norm is at most 2**8. A unit's products are chained in float16 (16 per lane at 3
+# bits, 8 at 2, 4 at 4), then summed into float32 and scaled by the weight's group norm times 2**e. By
+# Cauchy-Schwarz a chain is at most sqrt(16) * 2**8 * max|codebook| in magnitude: no overflow for
+# codebooks below 60, whatever the activations' scale. Accuracy: float16 keeps 11 significant bits; on
+# random data the bfloat16 result is within 1.8e-3 (relative L2) of the float32 reference (3-bit, H200).
+
+@triton.jit
+def _f16_lo(h):
+    return (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_hi(h):
+    return (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_bits(v):
+    return v.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _hfma2(p, x, h, USE_ASM: tl.constexpr):
+    """Two float16 products and sums at once (uint32 pairs): `p * x + h` per half (`fma.rn.f16x2`; in the
+    interpreter float32 arithmetic rounded to float16)."""
+    if USE_ASM:
+        out = tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [p, x, h], dtype=tl.uint32,
+                                        is_pure=True, pack=1)
+    else:
+        lo = _f16_lo(p) * _f16_lo(x) + _f16_lo(h)
+        hi = _f16_hi(p) * _f16_hi(x) + _f16_hi(h)
+        out = _f16_bits(lo) | (_f16_bits(hi) << 16)
+    return out
+
+
+@triton.jit
+def _xpair(xrow, q: tl.constexpr, NUT: tl.constexpr, xu, BN: tl.constexpr):
+    """Activation pair word q of units `xu` `[BU]`, broadcast over the BN weight rows."""
+    p = xrow + q * NUT + xu
+    return tl.load(tl.broadcast_to(p[None, :], (BN, p.shape[0]))).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _unit_pair_sum(w0, w1, w2, xrow, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, TUNED: tl.constexpr,
+                   NUT: tl.constexpr, BN: tl.constexpr, USE_ASM: tl.constexpr):
+    """Units `[BN, BU]` (words w0..w2) times their activation pairs: the float16 chain of every unit, summed
+    into float32 `[BN, BU]`."""
+    h = w0 & 0
+    if NLEV == 4 and TUNED:
+        p0, p1, p2, p3, p4, p5, p6, p7 = _mma_pairs2(w0, t0, t2, USE_ASM)
+        h = _hfma2(p0, _xpair(xrow, 0, NUT, xu, BN), h, USE_ASM)
+        h = _hfma2(p1, _xpair(xrow, 1, NUT, xu, BN), h, USE_ASM)
+        h = _hfma2(p2, _xpair(xrow, 2, NUT, xu, BN), h, USE_ASM)
+        h = _hfma2(p3, _xpair(xrow, 3, NUT, xu, BN), h, USE_ASM)
+        h = _hfma2(p4, _xpair(xrow, 4, NUT, xu, BN), h, USE_ASM)
+        h = _hfma2(p5, _xpair(xrow, 5, NUT, xu, BN), h, USE_ASM)
+        h = _hfma2(p6, _xpair(xrow, 6, NUT, xu, BN), h, USE_ASM)
+        h = _hfma2(p7, _xpair(xrow, 7, NUT, xu, BN), h, USE_ASM)
+    else:
+        PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
+        for ch in tl.static_range(PER // 8):
+            if NLEV == 16:
+                d = w0
+            elif NLEV == 8 and TUNED and ch == 3 and USE_ASM:  # the top bits of the three words (FMA pipe)
+                d = tl.inline_asm_elementwise(_TOP3_ASM, "=r,r,r,r", [w0, w1, w2], dtype=tl.uint32, is_pure=True,
+                                              pack=1)
+            else:
+                d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
+            p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
+            h = _hfma2(p0, _xpair(xrow, 4 * ch, NUT, xu, BN), h, USE_ASM)
+            h = _hfma2(p1, _xpair(xrow, 4 * ch + 1, NUT, xu, BN), h, USE_ASM)
+            h = _hfma2(p2, _xpair(xrow, 4 * ch + 2, NUT, xu, BN), h, USE_ASM)
+            h = _hfma2(p3, _xpair(xrow, 4 * ch + 3, NUT, xu, BN), h, USE_ASM)
+    return _f16_lo(h) + _f16_hi(h)
+
+
+@triton.jit
+def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stride_xm, stride_sm, stride_om,
+                      NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
+                      USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr,
+                      PDL: tl.constexpr):
+    """One program per BN weight rows and activation row: one unit per lane and row per step, the units'
+    float16 pair chains (`_unit_pair_sum`) scaled by the group norms times the activations' group scales
+    into float32 sums.
+
+    EXPERTS > 0: the weight is EXPERTS stacked matrices of N rows, and output row p is matrix `idx[p]` times
+    activation row `p // X_DIV` (routed (token, slot) pairs); an index outside [0, EXPERTS) gives a zero row.
+    Only the routed matrices are read."""
+    WPU: tl.constexpr = 3 if NLEV == 8 else 1
+    NUT: tl.constexpr = NG * UPG
+    EVEN_U: tl.constexpr = NUT % BU == 0
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rl = tl.minimum(rn, N - 1)  # clamped rows: loads stay in bounds, their sums are not stored
+    xm = m
+    if EXPERTS > 0:
+        e = tl.load(idx_ptr + m).to(tl.int32)
+        live = (e >= 0) & (e < EXPERTS)
+        e = tl.where(live, e, 0).to(tl.int64)
+        pk_ptr += e * (N * NUT * WPU)
+        nrm_ptr += e * (N * NG)
+        xm = m // X_DIV
+    xrow = x2_ptr + xm * stride_xm
+    srow = xs_ptr + xm * stride_sm
+    ru = tl.arange(0, BU)
+    acc = tl.zeros([BN, BU], dtype=tl.float32)
+    if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
+        gdc_wait()
+    for u0 in tl.range(0, NUT, BU):
+        uu = u0 + ru
+        unit_off = rl[:, None] * NUT + uu[None, :]
+        if EVEN_U:
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, rl[:, None], NUT)
+            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
+            xs = tl.load(srow + uu // UPG)
+            xu = uu
+        else:  # (units past the row's end: zero norms and scales, activations of the last unit)
+            um = (rl >= 0)[:, None] & (uu < NUT)[None, :]
+            w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, TUNED, rl[:, None], NUT)
+            nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
+            xs = tl.load(srow + uu // UPG, mask=uu < NUT, other=0.0)
+            xu = tl.minimum(uu, NUT - 1)
+        part = _unit_pair_sum(w0, w1, w2, xrow, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, NUT, BN, USE_ASM)
+        acc += part * (nr * xs[None, :])
+    y = tl.sum(acc, axis=1)
+    if EXPERTS > 0:
+        y = tl.where(live, y, 0.0)
+    tl.store(out_ptr + m * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _pack_pairs_kernel(x_ptr, out_ptr, xs_ptr, K, stride_xm, stride_om, stride_sm, G: tl.constexpr,
+                       GP: tl.constexpr, PER_T: tl.constexpr, NUT: tl.constexpr):
+    """One program per (row, group): rotated activations -> the pair layout and the group's scale."""
+    m = tl.program_id(0)
+    g = tl.program_id(1)
+    kk = tl.arange(0, GP)
+    col = g * G + kk
+    inside = (kk < G) & (col < K)
+    x = tl.load(x_ptr + m * stride_xm + col, mask=inside, other=0.0).to(tl.float32)
+    ex = _pair_exponent(_group_norm(x, 0))
+    y = x * tl.exp2(-ex)
+    tl.store(out_ptr + m * stride_om + _pair_column(col, PER_T, NUT), y.to(tl.float16), mask=kk < G)
+    tl.store(xs_ptr + m * stride_sm + g, tl.exp2(ex))
+
+
+def pack_pairs(x_rot: torch.Tensor, unit: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated activations `(M, n_groups*G)` (any float dtype; a shorter row is zero-padded) -> the pair
+    GEMV's `(x2, scales)`: int32 `(M, n_groups*G/2)` float16 pairs in unit order and float32 `(M, n_groups)`
+    powers of two (what `rotate(..., unit=unit)` writes in one pass)."""
+    m, k = x_rot.shape
+    g = group_size
+    ng = -(-k // g)
+    if x_rot.stride(-1) != 1:
+        x_rot = x_rot.contiguous()
+    out = torch.empty(m, ng * g, dtype=torch.float16, device=x_rot.device)
+    xs = torch.empty(m, ng, dtype=torch.float32, device=x_rot.device)
+    if m and ng:
+        _pack_pairs_kernel[(m, ng)](x_rot, out, xs, k, x_rot.stride(0), out.stride(0), xs.stride(0), G=g,
+                                    GP=triton.next_power_of_2(g), PER_T=unit, NUT=ng * g // unit, num_warps=4)
+    return out.view(torch.int32), xs
+
+
+def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
+    """(BN, num_warps[, maxnreg]) of the pair GEMV from the weight shape (rows n, units per row nut) and the
+    codebook size, from a sweep on an H200 (whole op at M = 1, the benchmark shapes, every bit width; us in
+    benchmarks/RESULTS.md): few rows want 8 warps and a cap of 64 registers (occupancy) unless the rows are
+    short; long 3-bit rows (14336 inputs) 2 warps (17.4 us against 26.1 with 8); many 3-bit rows 8 warps and
+    64 registers; the rest 4 warps and a cap of 96 (4-bit: 2 warps for many rows, 16 rows a program for rows
+    of 2048)."""
+    k = nut * lut_unit(n_levels)
+    if n <= 2048:
+        return (8, 4, 96) if k <= 512 else (4, 8, 64)
+    if n_levels == 16:
+        if k <= 2048:
+            return 16, 4
+        return (8, 2) if n >= 16384 else (8, 4)
+    if n_levels == 8:
+        if k > 8192:
+            return 8, 2
+        return (8, 8, 64) if n >= 16384 else (8, 4, 96)
+    return 8, 4, 96
+
+
+def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor,
+               codebook: torch.Tensor, group_size: int, out_dtype: torch.dtype, config=None, experts: int = 0,
+               expert_index: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
+    """Pair-layout activations (`rotate(..., unit=lut_unit(levels))` or `pack_pairs`: int32 `x2`,
+    float32 group scales `xs`) times a 2-, 3- or 4-bit packed weight -> `(M, rows)` in out_dtype.
+
+    With `experts` = E > 0 the weight is E stacked matrices (norms `(E*rows, n_groups)`) and the result has
+    one row per entry p of `expert_index` (flat, int): matrix `expert_index[p]` times activation row
+    `p // x_div`; entries outside [0, E) give zero rows. `config`: (BN, num_warps[, maxnreg])."""
+    n_levels = codebook.numel()
+    if experts:
+        m = expert_index.numel()
+        n, ng = norms.shape[0] // experts, norms.shape[1]
+    else:
+        m = x2.shape[0]
+        n, ng = norms.shape
+    per = lut_unit(n_levels)
+    if not per:
+        raise ValueError(f"the pair GEMV serves 4-, 8- and 16-entry codebooks, not {n_levels}")
+    upg = group_size // per
+    nut = ng * upg
+    bn, warps, *extra = tuple(config or _pair_config(n, nut, n_levels))
+    opts = {"maxnreg": extra[0]} if extra and extra[0] else {}
+    pdl = _pdl(x2.device, 2 * x2.shape[1])
+    if pdl:
+        opts["launch_pdl"] = True
+    bu = min(32 * warps, triton.next_power_of_2(nut))
+    out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    if m == 0 or n == 0:
+        return out
+    idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
+    _gemv_pair_kernel[(triton.cdiv(n, bn), m)](
+        x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, n, x2.stride(0), xs.stride(0),
+        out.stride(0), NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, USE_ASM=not _interpreting(), EXPERTS=experts,
+        X_DIV=x_div, TUNED=_tuned(packed), PDL=pdl, num_warps=warps, **opts)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -1947,7 +2014,7 @@ PDL_MAX_K = 4096
 
 
 def _pdl(device: torch.device, k: int = 0) -> bool:
-    """Whether the rotation and the LUT GEMV after it use programmatic dependent launch on `device` for rows of
+    """Whether the rotation and the pair GEMV after it use programmatic dependent launch on `device` for rows of
     `k` rotated inputs: the GEMV's launch and prologue overlap the rotation's run (CUDA, compute capability
     >= 9.0, a Triton with the intrinsics, not the interpreter, k <= PDL_MAX_K; `TURBOQUANT_PDL=0` turns it
     off)."""
@@ -2000,10 +2067,9 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
     m = x_rot.shape[0]
     sixteen = out_dtype in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    if m <= LUT_MAX_M and sixteen and unit:
-        nut = x_rot.shape[1] // unit
-        x_t = x_rot.to(torch.float32).reshape(m, nut, unit).transpose(1, 2).reshape(m, unit * nut)
-        return gemv_lut(x_t, packed, norms, codebook, group_size, out_dtype)
+    if m <= _pair_rows(codebook.numel()) and sixteen and unit:
+        x2, xs = pack_pairs(x_rot, unit, group_size)
+        return gemv_pairs(x2, xs, packed, norms, codebook, group_size, out_dtype)
     norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
     if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
@@ -2033,9 +2099,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     dt = x.dtype
     sixteen = dt in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    if m <= LUT_MAX_M and sixteen and unit:
-        x_t = rotate(x2, s1, s2, group_size, torch.float32, unit=unit)
-        return gemv_lut(x_t, packed, norms, codebook, group_size, dt).reshape(*lead, n)
+    if m <= _pair_rows(codebook.numel()) and sixteen and unit:
+        xp, xs = rotate(x2, s1, s2, group_size, dt, unit=unit)
+        return gemv_pairs(xp, xs, packed, norms, codebook, group_size, dt).reshape(*lead, n)
     norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
     if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):

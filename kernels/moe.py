@@ -4,9 +4,9 @@ Decode (at most `PAIR_MAX_ROWS` routed (token, slot) pairs; any bit width): five
 synchronisation, so the layer can be captured in a CUDA graph:
 
 1. `rotate` the tokens once (every expert of a token reads the same rotated row);
-2. a GEMV over pairs (the LUT GEMV for 2/3-bit experts and 16-bit activations, else the select/codebook-load
-   GEMV): row p of the result is expert `top_k_index[p]`'s gate/up matrix times token `p // top_k` (only
-   routed experts are read; an index outside [0, E) gives zeros);
+2. a GEMV over pairs (the pair GEMV for 2-, 3- and 4-bit experts and 16-bit activations, else the
+   select/codebook-load GEMV): row p of the result is expert `top_k_index[p]`'s gate/up matrix times token
+   `p // top_k` (only routed experts are read; an index outside [0, E) gives zeros);
 3. `act(gate) * up` in float32;
 4. `rotate` each pair's intermediate row;
 5. the GEMV over pairs with the down matrices, then the top-k weighted sum per token.
@@ -141,11 +141,13 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
 
 
 def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
-    """Routed pairs: row p = expert idx[p]'s matrix times row p // x_div of x (float32 result). The LUT GEMV
-    where the codebook allows it (`unit` > 0), else the select/codebook-load GEMV (4-bit, ternary, float32)."""
+    """Routed pairs: row p = expert idx[p]'s matrix times row p // x_div of x (float32 result). The pair GEMV
+    where the codebook allows it (`unit` > 0), else the select/codebook-load GEMV (ternary in its published
+    bytes, float32 activations)."""
     if unit:
-        x_t = L.rotate(x, s1, s2, g, torch.float32, unit=unit)
-        return L.gemv_lut(x_t, packed, norms, codebook, g, torch.float32, experts=e, expert_index=idx, x_div=x_div)
+        x2, xs = L.rotate(x, s1, s2, g, torch.float32, unit=unit)
+        return L.gemv_pairs(x2, xs, packed, norms, codebook, g, torch.float32, experts=e, expert_index=idx,
+                            x_div=x_div)
     x_rot = L.rotate(x, s1, s2, g, torch.float32)
     return L.gemv_fma(x_rot, packed, norms.contiguous(), L._f32(codebook), g, torch.float32, experts=e,
                       expert_index=idx, x_div=x_div)
@@ -209,12 +211,10 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
 
     def pairs(x_rot, x_div, packed, norms, codebook, g):
         unit = L.lut_unit(codebook.numel(), g) if sixteen else 0
-        m = x_rot.shape[0]
         if unit:
-            nut = x_rot.shape[1] // unit
-            x_t = x_rot.reshape(m, nut, unit).transpose(1, 2).reshape(m, unit * nut)
-            return L.gemv_lut(x_t, packed, norms, codebook, g, torch.float32, experts=e, expert_index=idx,
-                              x_div=x_div)
+            x2, xs = L.pack_pairs(x_rot, unit, g)
+            return L.gemv_pairs(x2, xs, packed, norms, codebook, g, torch.float32, experts=e, expert_index=idx,
+                                x_div=x_div)
         return L.gemv_fma(x_rot.contiguous(), packed, norms.contiguous(), L._f32(codebook), g, torch.float32,
                           experts=e, expert_index=idx, x_div=x_div)
 
