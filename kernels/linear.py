@@ -19,14 +19,14 @@ with a 4-entry codebook: to these kernels a 2-bit weight):
      load of the (L1-resident) codebook or from a tree of selects on the
      index bits; `LUT_MASKS` mixes the two per index position so both the
      load/store and the integer pipes work.
-   - `gemv_pairs` (M <= PAIR_MAX_M, 2-, 3- and 4-bit, 16-bit activations):
+   - `gemv_pairs` (M <= PAIR_MAX_M, or 2, see `_pair_rows`; 2-, 3- and 4-bit, 16-bit activations):
      the codebook looked up with byte permutes (`prmt`) in registers as
      float16 pairs, multiplied two at a time into float16 pairs of the
      activations (`fma.rn.f16x2`; each group of activations scaled by a power
      of two so nothing overflows), a unit's chain summed into float32 and
      scaled by the group norms. The rotation writes the activations in that
      pair layout directly.
-   - `gemv_dot` (PAIR_MAX_M < M <= DOT_MAX_M): 2-, 3- and 4-bit weights
+   - `gemv_dot` (above that, M <= DOT_MAX_M): 2-, 3- and 4-bit weights
      (`_gemv_mma_kernel`) decoded by byte permutes straight into the
      registers of `mma.sync` operands (the order of the inputs inside a block
      chosen so that a lane's decoded pairs are its operand registers, with no
@@ -869,16 +869,19 @@ def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.co
     return d
 
 
-# Largest M served by the pair GEMV (one program row per activation row: every row reads the weight again; above
-# it the tensor-core GEMV or dequantize + cuBLAS): 2, 1 for 16-entry codebooks. Whole op on an H200, pair vs
-# tensor-core GEMV, us, M = 2: 3-bit 4096x14336 23.7 vs 42.7, 8192x28672 87.2 vs 115.7, 14336x4096 35.5 vs 64.0;
-# 2-bit 8192x28672 98.0 vs 108.1; 4-bit 8192x28672 147.3 vs 119.7. M = 3: 3-bit 8192x28672 125.7 vs 116.1.
-PAIR_MAX_M = 2
+# Largest M served by the pair GEMV, which decodes the weight once for BM = 1, 2 or 4 activation rows (above it the
+# tensor-core GEMV or dequantize + cuBLAS): 4, but 2 for 16-entry codebooks and for weights of PAIR_WIDE_N rows or
+# more. Whole op on an H200 (18:30 UTC), pair vs tensor-core GEMV, us: M = 2, 3-bit 4096x14336 18.5 vs 43.1,
+# 8192x28672 65.3 vs 115.6; 2-bit 8192x28672 73.3 vs 108.1; 4-bit 8192x28672 99.5 vs 120.6. M = 4, 3-bit 4096x4096
+# 12.7 vs 30.4, 4096x14336 25.9 vs 43.7, 14336x4096 27.5 vs 64.8, 2048->1024 7.3 vs 8.6; but 8192x28672 129.6 vs
+# 117.9 (2-bit 124.6 vs 108.2) and 4-bit 4096x14336 62.5 vs 47.9.
+PAIR_MAX_M = 4
+PAIR_WIDE_N = 16384
 
 
-def _pair_rows(n_levels: int) -> int:
-    """Largest M the pair GEMV serves for a codebook of `n_levels` entries."""
-    return 1 if n_levels == 16 else PAIR_MAX_M
+def _pair_rows(n_levels: int, n: int) -> int:
+    """Largest M the pair GEMV serves for a codebook of `n_levels` entries and a weight of `n` rows."""
+    return 2 if n_levels == 16 or n >= PAIR_WIDE_N else PAIR_MAX_M
 
 
 def lut_unit(n_levels: int, group_size: int | None = None) -> int:
@@ -1291,7 +1294,7 @@ def _mma_block_norms(nrm_ptr, nb, nrow, N, NBLK: tl.constexpr, UPB: tl.constexpr
 
 
 # ---------------------------------------------------------------------------
-# 2a''. pair GEMV (M == 1 and routed expert pairs, 16-bit activations): half-precision pair products
+# 2a''. pair GEMV (M <= 4 and routed expert pairs, 16-bit activations): half-precision pair products
 # ---------------------------------------------------------------------------
 #
 # The lookups of the tensor-core GEMV (`_mma_pairs`, `_mma_pairs2`) give two float16 codebook values per
@@ -1343,21 +1346,38 @@ def _xpair(xrow, q: tl.constexpr, NUT: tl.constexpr, xu, BN: tl.constexpr):
 
 
 @triton.jit
-def _unit_pair_sum(w0, w1, w2, xrow, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, TUNED: tl.constexpr,
-                   NUT: tl.constexpr, BN: tl.constexpr, USE_ASM: tl.constexpr):
-    """Units `[BN, BU]` (words w0..w2) times their activation pairs: the float16 chain of every unit, summed
-    into float32 `[BN, BU]`."""
-    h = w0 & 0
+def _chain4(p0, p1, p2, p3, q0: tl.constexpr, xrow, NUT: tl.constexpr, xu, BN: tl.constexpr, h, USE_ASM: tl.constexpr):
+    """The float16 chain `h` plus four value pairs times activation pair words q0 .. q0 + 3 of one row."""
+    h = _hfma2(p0, _xpair(xrow, q0, NUT, xu, BN), h, USE_ASM)
+    h = _hfma2(p1, _xpair(xrow, q0 + 1, NUT, xu, BN), h, USE_ASM)
+    h = _hfma2(p2, _xpair(xrow, q0 + 2, NUT, xu, BN), h, USE_ASM)
+    h = _hfma2(p3, _xpair(xrow, q0 + 3, NUT, xu, BN), h, USE_ASM)
+    return h
+
+
+@triton.jit
+def _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr,
+                    TUNED: tl.constexpr, NUT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                    USE_ASM: tl.constexpr):
+    """Units `[BN, BU]` (words w0..w2), decoded once, times the activation pairs of BM (1, 2 or 4) rows at
+    xr0..xr3 (those past BM unused): one float16 chain per unit and row, summed into float32 `[BN, BU]` per row
+    (four results; rows past BM give zeros)."""
+    h0 = w0 & 0
+    h1 = h0
+    h2 = h0
+    h3 = h0
     if NLEV == 4 and TUNED:
         p0, p1, p2, p3, p4, p5, p6, p7 = _mma_pairs2(w0, t0, t2, USE_ASM)
-        h = _hfma2(p0, _xpair(xrow, 0, NUT, xu, BN), h, USE_ASM)
-        h = _hfma2(p1, _xpair(xrow, 1, NUT, xu, BN), h, USE_ASM)
-        h = _hfma2(p2, _xpair(xrow, 2, NUT, xu, BN), h, USE_ASM)
-        h = _hfma2(p3, _xpair(xrow, 3, NUT, xu, BN), h, USE_ASM)
-        h = _hfma2(p4, _xpair(xrow, 4, NUT, xu, BN), h, USE_ASM)
-        h = _hfma2(p5, _xpair(xrow, 5, NUT, xu, BN), h, USE_ASM)
-        h = _hfma2(p6, _xpair(xrow, 6, NUT, xu, BN), h, USE_ASM)
-        h = _hfma2(p7, _xpair(xrow, 7, NUT, xu, BN), h, USE_ASM)
+        h0 = _chain4(p4, p5, p6, p7, 4, xr0, NUT, xu, BN, _chain4(p0, p1, p2, p3, 0, xr0, NUT, xu, BN, h0, USE_ASM),
+                     USE_ASM)
+        if BM > 1:
+            h1 = _chain4(p4, p5, p6, p7, 4, xr1, NUT, xu, BN,
+                         _chain4(p0, p1, p2, p3, 0, xr1, NUT, xu, BN, h1, USE_ASM), USE_ASM)
+        if BM > 2:
+            h2 = _chain4(p4, p5, p6, p7, 4, xr2, NUT, xu, BN,
+                         _chain4(p0, p1, p2, p3, 0, xr2, NUT, xu, BN, h2, USE_ASM), USE_ASM)
+            h3 = _chain4(p4, p5, p6, p7, 4, xr3, NUT, xu, BN,
+                         _chain4(p0, p1, p2, p3, 0, xr3, NUT, xu, BN, h3, USE_ASM), USE_ASM)
     else:
         PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
         for ch in tl.static_range(PER // 8):
@@ -1369,45 +1389,68 @@ def _unit_pair_sum(w0, w1, w2, xrow, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: t
             else:
                 d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
             p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
-            h = _hfma2(p0, _xpair(xrow, 4 * ch, NUT, xu, BN), h, USE_ASM)
-            h = _hfma2(p1, _xpair(xrow, 4 * ch + 1, NUT, xu, BN), h, USE_ASM)
-            h = _hfma2(p2, _xpair(xrow, 4 * ch + 2, NUT, xu, BN), h, USE_ASM)
-            h = _hfma2(p3, _xpair(xrow, 4 * ch + 3, NUT, xu, BN), h, USE_ASM)
-    return _f16_lo(h) + _f16_hi(h)
+            h0 = _chain4(p0, p1, p2, p3, 4 * ch, xr0, NUT, xu, BN, h0, USE_ASM)
+            if BM > 1:
+                h1 = _chain4(p0, p1, p2, p3, 4 * ch, xr1, NUT, xu, BN, h1, USE_ASM)
+            if BM > 2:
+                h2 = _chain4(p0, p1, p2, p3, 4 * ch, xr2, NUT, xu, BN, h2, USE_ASM)
+                h3 = _chain4(p0, p1, p2, p3, 4 * ch, xr3, NUT, xu, BN, h3, USE_ASM)
+    return (_f16_lo(h0) + _f16_hi(h0), _f16_lo(h1) + _f16_hi(h1), _f16_lo(h2) + _f16_hi(h2),
+            _f16_lo(h3) + _f16_hi(h3))
 
 
 @triton.jit
-def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, stride_xm, stride_sm, stride_om,
-                      NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
-                      USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr,
-                      PDL: tl.constexpr):
-    """One program per BN weight rows and activation row: one unit per lane and row per step, the units'
-    float16 pair chains (`_unit_pair_sum`) scaled by the group norms times the activations' group scales
-    into float32 sums.
+def _pair_row(x2_ptr, xs_ptr, m, M, stride_xm, stride_sm):
+    """Pointers to activation row m (clamped to M - 1: a row past the end is read, its result not stored) and to
+    its group scales."""
+    r = tl.minimum(m, M - 1)
+    return x2_ptr + r * stride_xm, xs_ptr + r * stride_sm
 
-    EXPERTS > 0: the weight is EXPERTS stacked matrices of N rows, and output row p is matrix `idx[p]` times
-    activation row `p // X_DIV` (routed (token, slot) pairs); an index outside [0, EXPERTS) gives a zero row.
-    Only the routed matrices are read."""
+
+@triton.jit
+def _store_pair_row(out_ptr, acc, m, M, stride_om, rn, N):
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + m * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=(rn < N) & (rn * 0 + m < M))
+
+
+@triton.jit
+def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, stride_xm, stride_sm,
+                      stride_om, NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr,
+                      BU: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr,
+                      X_DIV: tl.constexpr, TUNED: tl.constexpr, PDL: tl.constexpr):
+    """One program per BN weight rows and BM (1, 2 or 4) activation rows: one unit per lane and row per step,
+    decoded once; each activation row's float16 pair chains (`_unit_pair_sums`) scaled by the group norms times
+    that row's group scales into float32 sums.
+
+    EXPERTS > 0 (BM == 1): the weight is EXPERTS stacked matrices of N rows, and output row p is matrix `idx[p]`
+    times activation row `p // X_DIV` (routed (token, slot) pairs); an index outside [0, EXPERTS) gives a zero
+    row. Only the routed matrices are read."""
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     NUT: tl.constexpr = NG * UPG
     EVEN_U: tl.constexpr = NUT % BU == 0
     pid_n = tl.program_id(0)
-    m = tl.program_id(1)
+    m0 = tl.program_id(1) * BM
     t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2)
     rn = pid_n * BN + tl.arange(0, BN)
     rl = tl.minimum(rn, N - 1)  # clamped rows: loads stay in bounds, their sums are not stored
-    xm = m
     if EXPERTS > 0:
-        e = tl.load(idx_ptr + m).to(tl.int32)
+        e = tl.load(idx_ptr + m0).to(tl.int32)
         live = (e >= 0) & (e < EXPERTS)
         e = tl.where(live, e, 0).to(tl.int64)
         pk_ptr += e * (N * NUT * WPU)
         nrm_ptr += e * (N * NG)
-        xm = m // X_DIV
-    xrow = x2_ptr + xm * stride_xm
-    srow = xs_ptr + xm * stride_sm
+        xr0 = x2_ptr + (m0 // X_DIV) * stride_xm
+        sr0 = xs_ptr + (m0 // X_DIV) * stride_sm
+    else:
+        xr0, sr0 = _pair_row(x2_ptr, xs_ptr, m0, M, stride_xm, stride_sm)
+    xr1, sr1 = _pair_row(x2_ptr, xs_ptr, m0 + 1, M, stride_xm, stride_sm)
+    xr2, sr2 = _pair_row(x2_ptr, xs_ptr, m0 + 2, M, stride_xm, stride_sm)
+    xr3, sr3 = _pair_row(x2_ptr, xs_ptr, m0 + 3, M, stride_xm, stride_sm)
     ru = tl.arange(0, BU)
-    acc = tl.zeros([BN, BU], dtype=tl.float32)
+    acc0 = tl.zeros([BN, BU], dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
     if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
         gdc_wait()
     for u0 in tl.range(0, NUT, BU):
@@ -1416,20 +1459,40 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
         if EVEN_U:
             w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, rl[:, None], NUT)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :]).to(tl.float32)
-            xs = tl.load(srow + uu // UPG)
             xu = uu
         else:  # (units past the row's end: zero norms and scales, activations of the last unit)
             um = (rl >= 0)[:, None] & (uu < NUT)[None, :]
             w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, TUNED, rl[:, None], NUT)
             nr = tl.load(nrm_ptr + rl[:, None] * NG + (uu // UPG)[None, :], mask=um, other=0.0).to(tl.float32)
-            xs = tl.load(srow + uu // UPG, mask=uu < NUT, other=0.0)
             xu = tl.minimum(uu, NUT - 1)
-        part = _unit_pair_sum(w0, w1, w2, xrow, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, NUT, BN, USE_ASM)
-        acc += part * (nr * xs[None, :])
-    y = tl.sum(acc, axis=1)
+        s0, s1, s2, s3 = _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV,
+                                         TUNED, NUT, BN, BM, USE_ASM)
+        acc0 += s0 * (nr * _pair_scales(sr0, uu, UPG, NUT, EVEN_U)[None, :])
+        if BM > 1:
+            acc1 += s1 * (nr * _pair_scales(sr1, uu, UPG, NUT, EVEN_U)[None, :])
+        if BM > 2:
+            acc2 += s2 * (nr * _pair_scales(sr2, uu, UPG, NUT, EVEN_U)[None, :])
+            acc3 += s3 * (nr * _pair_scales(sr3, uu, UPG, NUT, EVEN_U)[None, :])
     if EXPERTS > 0:
-        y = tl.where(live, y, 0.0)
-    tl.store(out_ptr + m * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+        acc0 = tl.where(live, acc0, 0.0)
+        _store_pair_row(out_ptr, acc0, m0, m0 + 1, stride_om, rn, N)
+    else:
+        _store_pair_row(out_ptr, acc0, m0, M, stride_om, rn, N)
+        if BM > 1:
+            _store_pair_row(out_ptr, acc1, m0 + 1, M, stride_om, rn, N)
+        if BM > 2:
+            _store_pair_row(out_ptr, acc2, m0 + 2, M, stride_om, rn, N)
+            _store_pair_row(out_ptr, acc3, m0 + 3, M, stride_om, rn, N)
+
+
+@triton.jit
+def _pair_scales(srow, uu, UPG: tl.constexpr, NUT: tl.constexpr, EVEN_U: tl.constexpr):
+    """Group scales of units `uu` of one activation row (zero past the row's end)."""
+    if EVEN_U:
+        xs = tl.load(srow + uu // UPG)
+    else:
+        xs = tl.load(srow + uu // UPG, mask=uu < NUT, other=0.0)
+    return xs
 
 
 @triton.jit
@@ -1469,9 +1532,9 @@ def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
     """(BN, num_warps[, maxnreg]) of the pair GEMV from the weight shape (rows n, units per row nut) and the
     codebook size, from a sweep on an H200 (whole op at M = 1, the benchmark shapes, every bit width; us in
     benchmarks/RESULTS.md): few rows want 8 warps and a cap of 64 registers (occupancy) unless the rows are
-    short; long 3-bit rows (14336 inputs) 2 warps (17.4 us against 26.1 with 8); many 3-bit rows 8 warps and
-    64 registers; the rest 4 warps and a cap of 96 (4-bit: 2 warps for many rows, 16 rows a program for rows
-    of 2048)."""
+    short; long 3-bit rows (14336 inputs) 2 warps and a cap of 128 (17.7 us; 24.0 uncapped, 26.4 with 8
+    warps); many 3-bit rows 8 warps and 64 registers; the rest 4 warps and a cap of 96 (4-bit: 2 warps for many
+    rows, 16 rows a program for rows of 2048). Programs of 2 or 4 activation rows run uncapped (as measured)."""
     k = nut * lut_unit(n_levels)
     if n <= 2048:
         return (8, 4, 96) if k <= 512 else (4, 8, 64)
@@ -1481,7 +1544,7 @@ def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
         return (8, 2) if n >= 16384 else (8, 4)
     if n_levels == 8:
         if k > 8192:
-            return 8, 2
+            return 8, 2, 128
         return (8, 8, 64) if n >= 16384 else (8, 4, 96)
     return 8, 4, 96
 
@@ -1508,6 +1571,9 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     upg = group_size // per
     nut = ng * upg
     bn, warps, *extra = tuple(config or _pair_config(n, nut, n_levels))
+    bm = 1 if experts or m <= 1 else (2 if m == 2 else 4)
+    if bm > 1 and config is None:
+        extra = []  # (more accumulators: no register cap)
     opts = {"maxnreg": extra[0]} if extra and extra[0] else {}
     pdl = _pdl(x2.device, 2 * x2.shape[1])
     if pdl:
@@ -1517,10 +1583,10 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     if m == 0 or n == 0:
         return out
     idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
-    _gemv_pair_kernel[(triton.cdiv(n, bn), m)](
-        x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, n, x2.stride(0), xs.stride(0),
-        out.stride(0), NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, USE_ASM=not _interpreting(), EXPERTS=experts,
-        X_DIV=x_div, TUNED=_tuned(packed), PDL=pdl, num_warps=warps, **opts)
+    _gemv_pair_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, m, n, x2.stride(0), xs.stride(0),
+        out.stride(0), NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm, USE_ASM=not _interpreting(),
+        EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed), PDL=pdl, num_warps=warps, **opts)
     return out
 
 
@@ -2067,7 +2133,7 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
     m = x_rot.shape[0]
     sixteen = out_dtype in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    if m <= _pair_rows(codebook.numel()) and sixteen and unit:
+    if m <= _pair_rows(codebook.numel(), norms.shape[0]) and sixteen and unit:
         x2, xs = pack_pairs(x_rot, unit, group_size)
         return gemv_pairs(x2, xs, packed, norms, codebook, group_size, out_dtype)
     norms = norms.contiguous()  # (float16 norms are read as they are)
@@ -2099,7 +2165,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     dt = x.dtype
     sixteen = dt in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    if m <= _pair_rows(codebook.numel()) and sixteen and unit:
+    if m <= _pair_rows(codebook.numel(), norms.shape[0]) and sixteen and unit:
         xp, xs = rotate(x2, s1, s2, group_size, dt, unit=unit)
         return gemv_pairs(xp, xs, packed, norms, codebook, group_size, dt).reshape(*lead, n)
     norms = norms.contiguous()  # (float16 norms are read as they are)

@@ -139,13 +139,14 @@ def test_kernels_match_reference(L, bits, g):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_op_paths(L, bits, dtype):
-    """The whole op (`linear`) on every path: M=1 (FMA), M=5 (tensor cores for 16-bit, FMA for fp32),
-    M=17 (dequantize + matmul), with 3-D activations."""
+    """The whole op (`linear`) on every path: M=1 (the pair GEMV for 16-bit 2-, 3- and 4-bit, else FMA), M=3 and
+    4 (the pair GEMV with 4 rows a program for 16-bit 2- and 3-bit, tensor cores for 4-bit and ternary bytes, FMA
+    for fp32), M=5 (tensor cores for 16-bit, FMA for fp32), M=17 (dequantize + matmul), with 3-D activations."""
     g, n, k = 64, 24, 200
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=3)
     gen = torch.Generator().manual_seed(11)
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
-    for lead in ((1,), (5,), (1, 17)):
+    for lead in ((1,), (3,), (2, 2), (5,), (1, 17)):
         x = torch.randn(*lead, k, generator=gen).to(dtype)
         ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
         y = L.linear(x, packed, norms, cb, s1, s2, g, k)
@@ -170,7 +171,8 @@ def _pairs_by_hand(x_rot: torch.Tensor, unit: int, g: int):
 def test_pair_gemv_matches_reference(L, bits, g):
     """The pair GEMV (byte-permute lookups to float16 pairs, `fma.rn.f16x2` chains; 2-, 3- and 4-bit, both
     layouts): the rotation's pair layout and group scales against a torch construction and against
-    `pack_pairs`; M = 1 and 3, the default config and one whose unit step does not divide the row; activations
+    `pack_pairs`; M = 1, 2, 3 and 5 (activation rows decoded once for 1, 2 or 4 rows a program, rows past M
+    masked), the default config and one whose unit step does not divide the row; activations
     from 1e-30 to 1e30 and a zero group (the power-of-two scales keep float16 in range, so the error does not
     move); against the float32 reference within ~2e-3 (float16 codebook values and activations, float16 chains;
     `fma.rn.f16x2` and `prmt` are emulated here, the PTX runs on the GPU)."""
@@ -180,7 +182,7 @@ def test_pair_gemv_matches_reference(L, bits, g):
     unit = L.lut_unit(nl)
     layouts = [packed] + ([layout.to_runtime(packed, nl, g, norms.shape[1])] if layout.wanted(nl, g) else [])
     gen = torch.Generator().manual_seed(3)
-    for m, scale in ((1, 1.0), (3, 1e30), (1, 1e-30)):
+    for m, scale in ((1, 1.0), (3, 1e30), (1, 1e-30), (2, 1.0), (5, 1.0)):
         x = torch.randn(m, k, generator=gen, dtype=torch.float64) * scale
         x[:, g:2 * g] = 0  # a zero group: scale 1
         x = x.float()
