@@ -597,18 +597,21 @@ def _with_mask(cfg: tuple, n_levels: int) -> tuple:
     return tuple(cfg) if len(cfg) == 4 else (*cfg, LUT_MASKS[n_levels])
 
 
+def _gemv_shape(x: torch.Tensor, norms: torch.Tensor, experts: int, expert_index) -> tuple[int, int, int]:
+    """(output rows M, weight rows N, groups per row) of a GEMV: M activation rows, or with `experts` = E > 0 one
+    output row per routed pair over E stacked matrices."""
+    if experts:
+        return expert_index.numel(), norms.shape[0] // experts, norms.shape[1]
+    return x.shape[0], norms.shape[0], norms.shape[1]
+
+
 def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
              group_size: int, out_dtype: torch.dtype, config=None, experts: int = 0,
              expert_index: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
     """`(M, n_groups*G)` float32 rotated activations times the packed weight -> `(M, rows)` in out_dtype.
 
     `experts`, `expert_index`, `x_div`: routed pairs over stacked matrices, as in `gemv_pairs`."""
-    if experts:
-        m = expert_index.numel()
-        n, ng = norms.shape[0] // experts, norms.shape[1]
-    else:
-        m = x_rot.shape[0]
-        n, ng = norms.shape
+    m, n, ng = _gemv_shape(x_rot, norms, experts, expert_index)
     n_levels = codebook.numel()
     geo = unit_geometry(n_levels, group_size)
     bn, gpi, warps, lut = _with_mask(config or _fma_config(n, ng, n_levels, group_size), n_levels)
@@ -1559,12 +1562,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     one row per entry p of `expert_index` (flat, int): matrix `expert_index[p]` times activation row
     `p // x_div`; entries outside [0, E) give zero rows. `config`: (BN, num_warps[, maxnreg])."""
     n_levels = codebook.numel()
-    if experts:
-        m = expert_index.numel()
-        n, ng = norms.shape[0] // experts, norms.shape[1]
-    else:
-        m = x2.shape[0]
-        n, ng = norms.shape
+    m, n, ng = _gemv_shape(x2, norms, experts, expert_index)
     per = lut_unit(n_levels)
     if not per:
         raise ValueError(f"the pair GEMV serves 4-, 8- and 16-entry codebooks, not {n_levels}")
