@@ -172,7 +172,8 @@ def test_pair_gemv_matches_reference(L, bits, g):
     """The pair GEMV (byte-permute lookups to float16 pairs, `fma.rn.f16x2` chains; 2-, 3- and 4-bit, both
     layouts): the rotation's pair layout and group scales against a torch construction and against
     `pack_pairs`; M = 1, 2, 3 and 5 (activation rows decoded once for 1, 2 or 4 rows a program, rows past M
-    masked), the default config and one whose unit step does not divide the row; activations
+    masked), the default config, one whose unit step does not divide the row, and the prefetching loop (each
+    step's words loaded during the step before) with steps that do and do not divide the row; activations
     from 1e-30 to 1e30 and a zero group (the power-of-two scales keep float16 in range, so the error does not
     move); against the float32 reference within ~2e-3 (float16 codebook values and activations, float16 chains;
     `fma.rn.f16x2` and `prmt` are emulated here, the PTX runs on the GPU)."""
@@ -195,10 +196,13 @@ def test_pair_gemv_matches_reference(L, bits, g):
         p2, ps = L.pack_pairs(x_rot, unit, g)
         assert torch.equal(ps, xs) and torch.equal(p2, x2)
         for pk in layouts:
-            for cfg in (None, (4, 1)):
+            ys = []
+            for cfg in (None, (4, 1), (4, 1, 0, 1), (8, 1, 0, 1, 2 if g == 64 else 4)):
                 y = L.gemv_pairs(x2, xs, pk, norms, cb, g, torch.float32, config=cfg)
                 err = _rel(y, ref)
                 assert 1e-5 < err < 2e-3, (m, scale, cfg, pk.dtype, err)  # > 1e-5: float16 really in use
+                ys.append(y)
+            assert torch.equal(ys[2], ys[1])  # (the same sums, loaded a step earlier)
     # the product alone, from the natural layout, in bf16
     x = torch.randn(1, k, generator=gen)
     ref = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
@@ -280,14 +284,33 @@ def test_mma_gemv_matches_reference(L, bits, g):
     """`_gemv_mma_kernel`: both layouts (2 and 3 bits), M = 3 and 13 (8- and 16-row activation tiles), rows not
     a multiple of BN, block counts not a multiple of the warps (and, 3-bit G=64, half a last block), prefetch
     on and off, and (2) for the activations and norms too, BN = 16 and 32 (the norms of rows past the last read
-    clamped), 1 to 4 warps; float16 tables."""
+    clamped), 1 to 4 warps, one warp taking 2 or 4 blocks a step; float16 tables; both arrangements of the
+    weight and activation tiles (`_lanes_first`)."""
     n, k = 40, 300 if g == 64 else 330  # 5 / 3 groups
-    for runtime in ((False, True) if bits in (2, 3) else (False,)):
-        for m, cfgs in ((3, (None, (32, 2, 1, True))), (13, ((16, 4, 1, False), (16, 1, 1, 2)))):
-            outs = _mma_case(L, bits, g, n, k, m, runtime, cfgs=cfgs, seed=7 * bits + g + m)
-            for y in outs[1:]:
-                assert _rel(y, outs[0]) < 1e-6  # (the warps split the sum differently)
-    _mma_case(L, bits, g, n, k, 5, bits in (2, 3), f16=True, seed=3)
+    try:
+        for lanes_first in (False, True):  # (both tile arrangements, whichever this Triton would pick)
+            L._LANES_FIRST = lanes_first
+            for runtime in ((False, True) if bits in (2, 3) else (False,)):
+                for m, cfgs in ((3, (None, (32, 2, 1, True), (16, 1, 1, 1, 0, 2))),
+                                (13, ((16, 4, 1, False), (16, 1, 1, 2), (16, 1, 1, 2, 0, 4)))):
+                    outs = _mma_case(L, bits, g, n, k, m, runtime, cfgs=cfgs, seed=7 * bits + g + m)
+                    for y in outs[1:]:
+                        assert _rel(y, outs[0]) < 1e-6  # (the warps split the sum differently)
+            _mma_case(L, bits, g, n, k, 5, bits in (2, 3), f16=True, seed=3)
+    finally:
+        L._LANES_FIRST = None
+
+
+def test_lanes_first_by_triton_version(L, monkeypatch):
+    """The tensor-core GEMV's tile arrangement follows the Triton release: lanes-first axes before 3.7 (whose
+    coalescing orders the remaining axes ascending), the original order from 3.7 on; read once and cached."""
+    for version, want in (("3.2.0", True), ("3.6.0", True), ("3.7.1", False), ("3.9.0+git5a1b", False),
+                          ("4.0.0", False)):
+        monkeypatch.setattr(L, "_LANES_FIRST", None)
+        monkeypatch.setattr(L.triton, "__version__", version)
+        assert L._lanes_first() is want, version
+        monkeypatch.setattr(L.triton, "__version__", "3.6.0" if not want else "3.9.0")
+        assert L._lanes_first() is want, version  # (cached)
 
 
 def test_mma_gemv_group_256(L):
@@ -610,6 +633,33 @@ def _cuda_check(bits) -> int:
             ok = err < 1e-2
             failures += not ok
             print(f"{'ok  ' if ok else 'FAIL'} bits={bits} M=1 activations x{scale:g} rel_err={err:.2e}")
+    # launch options that the configuration sweeps try: the prefetching pair GEMV (and unit steps below one per
+    # lane), several blocks a warp in the tensor-core GEMV; compiled for the GPU, they must agree with the
+    # reference as the defaults do
+    nl = fmt.levels_for_bits(bits)
+    if nl in (4, 8, 16):
+        from turboquant_hf.kernels import linear as KL
+
+        n, k, g = 1000, 2048, 128
+        packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=12)
+        pk = layout.to_runtime(packed, nl, g, k // g) if layout.supports(nl, g) else packed
+        pk, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (pk, norms, cb, s1, s2))
+        for m in (1, 2, 4, 5, 16):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            refd = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
+            if m <= 4:
+                x2, xs = KL.rotate(x.to(dev), s1_d, s2_d, g, torch.bfloat16, unit=KL.lut_unit(nl))
+                runs = [(cfg, KL.gemv_pairs(x2, xs, pk, nr_d, cb_d, g, torch.bfloat16, config=cfg))
+                        for cfg in ((8, 4, 0, 1), (8, 2, 128, 1), (8, 4, 0, 1, 64), (16, 4, 0, 0, 64))]
+            else:
+                x_rot = KL.rotate(x.to(dev), s1_d, s2_d, g, torch.bfloat16)
+                runs = [(cfg, KL.gemv_dot(x_rot, pk, nr_d, cb_d, g, torch.bfloat16, config=cfg))
+                        for cfg in ((16, 1, 1, 1, 0, 2), (16, 1, 1, 1, 0, 4), (16, 2, 1, 2, 0, 2), (32, 1, 1, 1, 0, 2))]
+            for cfg, y in runs:
+                err = _rel(y, refd) if torch.isfinite(y).all() else float("nan")
+                ok = y.shape == (m, n) and err < 1e-2
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} bits={bits} M={m} config {cfg} rel_err={err:.2e}")
     # the MoE op on CUDA (pair path at decode, grouped path for many tokens) against the CPU reference,
     # and the decode path inside a CUDA graph
     e, h, inter, g = 16, 512, 256, 128
