@@ -210,6 +210,39 @@ def test_pair_gemv_matches_reference(L, bits, g):
     assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_pair_gemv_units_first(L, bits):
+    """The pair GEMV with its tiles held units-first (the arrangement for Triton before 3.7, `_lanes_first`):
+    M = 1, 2 and 5, the default config and the prefetching one, a step that does not divide the row, and the
+    routed expert pairs; the same results as rows-first within float32 summation order."""
+    n, k, g = 20, 330, 128
+    packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=11 * bits)
+    nl = cb.numel()
+    pk = layout.to_runtime(packed, nl, g, norms.shape[1]) if layout.wanted(nl, g) else packed
+    gen = torch.Generator().manual_seed(4)
+    try:
+        for m in (1, 2, 5):
+            x = torch.randn(m, k, generator=gen)
+            ref = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
+            x2, xs = L.rotate(x, s1, s2, g, torch.float32, unit=L.lut_unit(nl))
+            for cfg in (None, (8, 1, 0, 1), (4, 1, 0, 0, 2)):
+                ys = []
+                for lanes_first in (False, True):
+                    L._LANES_FIRST = lanes_first
+                    ys.append(L.gemv_pairs(x2, xs, pk, norms, cb, g, torch.float32, config=cfg))
+                assert _rel(ys[1], ref) < 2e-3 and _rel(ys[1], ys[0]) < 1e-6, (m, cfg)
+        idx = torch.tensor([[0, -1], [0, 0]])  # (one expert: the weight itself; -1 gives zeros)
+        x = torch.randn(2, k, generator=gen)
+        x2, xs = L.rotate(x, s1, s2, g, torch.float32, unit=L.lut_unit(nl))
+        outs = []
+        for lanes_first in (False, True):
+            L._LANES_FIRST = lanes_first
+            outs.append(L.gemv_pairs(x2, xs, pk, norms, cb, g, torch.float32, experts=1, expert_index=idx, x_div=2))
+        assert torch.equal(outs[1][1], torch.zeros(n)) and _rel(outs[1], outs[0]) < 1e-6
+    finally:
+        L._LANES_FIRST = None
+
+
 def test_pair_codebook_values(L):
     """The codebook values the pair GEMV multiplies are the entries rounded to float16 (relative error below
     2^-11), for the format's codebooks and for arbitrary ones (turboquant-mlx modules carry their own; 16
