@@ -197,12 +197,14 @@ def test_pair_gemv_matches_reference(L, bits, g):
         assert torch.equal(ps, xs) and torch.equal(p2, x2)
         for pk in layouts:
             ys = []
-            for cfg in (None, (4, 1), (4, 1, 0, 1), (8, 1, 0, 1, 2 if g == 64 else 4)):
+            launch = ((4, 1, 0, 1), (8, 1, 0, 1, 2 if g == 64 else 4)) if scale == 1.0 and m <= 2 else ()
+            for cfg in (None, (4, 1)) + launch:
                 y = L.gemv_pairs(x2, xs, pk, norms, cb, g, torch.float32, config=cfg)
                 err = _rel(y, ref)
                 assert 1e-5 < err < 2e-3, (m, scale, cfg, pk.dtype, err)  # > 1e-5: float16 really in use
                 ys.append(y)
-            assert torch.equal(ys[2], ys[1])  # (the same sums, loaded a step earlier)
+            if launch:
+                assert torch.equal(ys[2], ys[1])  # (the same sums, loaded a step earlier)
     # the product alone, from the natural layout, in bf16
     x = torch.randn(1, k, generator=gen)
     ref = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
@@ -213,19 +215,20 @@ def test_pair_gemv_matches_reference(L, bits, g):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_pair_gemv_units_first(L, bits):
     """The pair GEMV with its tiles held units-first (the arrangement for Triton before 3.7, `_lanes_first`):
-    M = 1, 2 and 5, the default config and the prefetching one, a step that does not divide the row, and the
-    routed expert pairs; the same results as rows-first within float32 summation order."""
+    M = 1 (the default config, the prefetching one, a step that does not divide the row) and 5 (four activation
+    rows a program and a fifth), and the routed expert pairs; the same results as rows-first within float32
+    summation order."""
     n, k, g = 20, 330, 128
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=11 * bits)
     nl = cb.numel()
     pk = layout.to_runtime(packed, nl, g, norms.shape[1]) if layout.wanted(nl, g) else packed
     gen = torch.Generator().manual_seed(4)
     try:
-        for m in (1, 2, 5):
+        for m in (1, 5):
             x = torch.randn(m, k, generator=gen)
             ref = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
             x2, xs = L.rotate(x, s1, s2, g, torch.float32, unit=L.lut_unit(nl))
-            for cfg in (None, (8, 1, 0, 1), (4, 1, 0, 0, 2)):
+            for cfg in (None, (8, 1, 0, 1), (4, 1, 0, 0, 2)) if m == 1 else (None,):
                 ys = []
                 for lanes_first in (False, True):
                     L._LANES_FIRST = lanes_first
@@ -326,10 +329,13 @@ def test_mma_gemv_matches_reference(L, bits, g):
             for runtime in ((False, True) if bits in (2, 3) else (False,)):
                 for m, cfgs in ((3, (None, (32, 2, 1, True), (16, 1, 1, 1, 0, 2))),
                                 (13, ((16, 4, 1, False), (16, 1, 1, 2), (16, 1, 1, 2, 0, 4)))):
+                    if lanes_first:  # (fewer configs: the arrangement, not the launch options, is under test)
+                        cfgs = cfgs[-1:]
                     outs = _mma_case(L, bits, g, n, k, m, runtime, cfgs=cfgs, seed=7 * bits + g + m)
                     for y in outs[1:]:
                         assert _rel(y, outs[0]) < 1e-6  # (the warps split the sum differently)
-            _mma_case(L, bits, g, n, k, 5, bits in (2, 3), f16=True, seed=3)
+        L._LANES_FIRST = None
+        _mma_case(L, bits, g, n, k, 5, bits in (2, 3), f16=True, seed=3)
     finally:
         L._LANES_FIRST = None
 
