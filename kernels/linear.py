@@ -1695,15 +1695,15 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
     """2-, 3- and 4-bit weights on the tensor cores: one program per BN weight rows x BM (8 or 16) activation
     rows, S block lanes (S a multiple of num_warps) splitting the row's blocks of KB inputs (lane s takes
     blocks s, s + S, ...; a batched `tl.dot` over the S axis keeps every warp on its own S / num_warps lanes, so
-    a warp has that many blocks' loads in flight a step); the S partial products are summed at the end. Per block a warp decodes its `[BN, KB]` tile in operand order (see the helpers above), reads
-    the matching `[KB, BM]` activations and runs one dot (float32 accumulation), scaled by the group norms
-    per block (KB <= G), or, when a block spans two groups (3-bit, G = 64), with the norms folded into the
-    16-bit values before the dot. PREFETCH (1 or 2): the next block's words (2: and its activations and
-    norms) are loaded before this block is decoded (the first block's words, as with a single block per warp,
-    before waiting for the previous kernel: PDL). LANES_FIRST: the tiles' axes arranged for a Triton whose
-    coalescing takes a load's remaining axes in ascending order (`_lanes_first`); the results are the same.
-    (A 3-D dot is lowered to `mma.sync`, both operands in registers; a 2-D one would take wgmma on sm_90,
-    which reads B from shared memory and waits for each group's result.)
+    a warp has that many blocks' loads in flight a step); the S partial products are summed at the end. Per block a
+    warp decodes its `[BN, KB]` tile in operand order (see the helpers above), reads the matching `[KB, BM]`
+    activations and runs one dot (float32 accumulation), scaled by the group norms per block (KB <= G), or, when a
+    block spans two groups (3-bit, G = 64), with the norms folded into the 16-bit values before the dot. PREFETCH (1
+    or 2): the next block's words (2: and its activations and norms) are loaded before this block is decoded (the
+    first block's words, as with a single block per warp, before waiting for the previous kernel: PDL). LANES_FIRST:
+    the tiles' axes arranged for a Triton whose coalescing takes a load's remaining axes in ascending order
+    (`_lanes_first`); the results are the same. (A 3-D dot is lowered to `mma.sync`, both operands in registers; a
+    2-D one would take wgmma on sm_90, which reads B from shared memory and waits for each group's result.)
 
     Rows past N and activation rows past M read row N-1 / M-1 (their results are not stored); blocks past
     the row's end (when S does not divide the block count) read the last block with zero norms."""
