@@ -19,7 +19,7 @@ with a 4-entry codebook: to these kernels a 2-bit weight):
      load of the (L1-resident) codebook or from a tree of selects on the
      index bits; `LUT_MASKS` mixes the two per index position so both the
      load/store and the integer pipes work.
-   - `gemv_pairs` (M <= PAIR_MAX_M, or 2, see `_pair_rows`; 2-, 3- and 4-bit, 16-bit activations):
+   - `gemv_pairs` (M <= PAIR_MAX_M = 2; 2-, 3- and 4-bit, 16-bit activations):
      the codebook looked up with byte permutes (`prmt`) in registers as
      float16 pairs, multiplied two at a time into float16 pairs of the
      activations (`fma.rn.f16x2`; each group of activations scaled by a power
@@ -872,19 +872,14 @@ def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.co
     return d
 
 
-# Largest M served by the pair GEMV, which decodes the weight once for BM = 1, 2 or 4 activation rows (above it the
-# tensor-core GEMV or dequantize + cuBLAS): 4, but 2 for 16-entry codebooks and for weights of PAIR_WIDE_N rows or
-# more. Whole op on an H200 (18:30 UTC), pair vs tensor-core GEMV, us: M = 2, 3-bit 4096x14336 18.5 vs 43.1,
-# 8192x28672 65.3 vs 115.6; 2-bit 8192x28672 73.3 vs 108.1; 4-bit 8192x28672 99.5 vs 120.6. M = 4, 3-bit 4096x4096
-# 12.7 vs 30.4, 4096x14336 25.9 vs 43.7, 14336x4096 27.5 vs 64.8, 2048->1024 7.3 vs 8.6; but 8192x28672 129.6 vs
-# 117.9 (2-bit 124.6 vs 108.2) and 4-bit 4096x14336 62.5 vs 47.9.
-PAIR_MAX_M = 4
-PAIR_WIDE_N = 16384
-
-
-def _pair_rows(n_levels: int, n: int) -> int:
-    """Largest M the pair GEMV serves for a codebook of `n_levels` entries and a weight of `n` rows."""
-    return 2 if n_levels == 16 or n >= PAIR_WIDE_N else PAIR_MAX_M
+# Largest M served by the pair GEMV, which decodes the weight once for BM = 1 or 2 activation rows (above it the
+# tensor-core GEMV or dequantize + cuBLAS; the kernel also takes BM = 4). Whole op on an H200 (2026-12-01 23:50
+# UTC, Triton 3.6, after the tensor-core GEMV took several blocks per warp), pair vs tensor-core GEMV, us: M = 2,
+# 3-bit 4096x4096 7.9 vs 9.6, 4096x14336 16.7 vs 19.9, 14336x4096 21.8 vs 22.7, 8192x28672 52.1 vs 54.8, 2048x8192
+# 7.7 vs 9.3; 4-bit 8192x28672 74.2 vs 97.2 (2-bit 55.7 vs 53.7, 512->2048 4.4 vs 3.7); M = 3 and 4 the
+# tensor-core GEMV was faster at every shape (3-bit 8192x28672 112.4 vs 55.7, 4096x14336 23.0 vs 20.4, 4-bit
+# 4096x14336 34.0 vs 27.6).
+PAIR_MAX_M = 2
 
 
 def lut_unit(n_levels: int, group_size: int | None = None) -> int:
@@ -1297,7 +1292,7 @@ def _mma_block_norms(nrm_ptr, nb, nrow, N, NBLK: tl.constexpr, UPB: tl.constexpr
 
 
 # ---------------------------------------------------------------------------
-# 2a''. pair GEMV (M <= 4 and routed expert pairs, 16-bit activations): half-precision pair products
+# 2a''. pair GEMV (M <= PAIR_MAX_M and routed expert pairs, 16-bit activations): half-precision pair products
 # ---------------------------------------------------------------------------
 #
 # The lookups of the tensor-core GEMV (`_mma_pairs`, `_mma_pairs2`) give two float16 codebook values per
@@ -1899,24 +1894,28 @@ def _mma_block(n_levels: int, g: int) -> int:
 def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     """Launch configuration of the tensor-core GEMV, from the weight shape only (never from M).
 
-    2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch). BN = 16 weight rows per
-    program (one m16 tile per warp), num_warps = S warps splitting the row's blocks: 1 from 8192 rows up, else 2
-    (halved while it exceeds half the blocks); prefetch 1 (the next block's words a block ahead) for rows of more
-    than 16 blocks, else 2 (its activations and norms too). From a sweep on an H200 (3-bit, G = 128, M = 2, 4
-    and 16, the benchmark shapes; 2- and 4-bit at M = 16 agree): one warp per program was 1.5-1.6x faster
-    than two or four on the 8192- to 28672-row shapes, and more rows per program (32), prefetch 2 for long rows
-    and 4 warps were slower. One stage: the loop is pipelined by hand, and Triton's pipelining would stage the
-    operands through shared memory.
+    2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch, maxnreg, blocks). Each program
+    takes BN weight rows and S = num_warps x blocks of the row's KB-input blocks per step, so that many
+    independent loads are in flight: S = 16 (4 warps of 4 blocks) below 8192 rows, 8 (2 warps of 4) below 16384,
+    else 4 (one warp of 4), BN = 16 below 8192 rows, else 32; S is halved (blocks first, then warps) while it
+    exceeds the row's blocks. Prefetch 1 (the next step's words a step ahead) for rows of at least 16 blocks,
+    else 2 (its activations and norms too). From a sweep on an H200 under Triton 3.6 (3-bit, G = 128, M = 8 and
+    16, the benchmark shapes, 16 configurations), after the tiles were arranged for that release: at M = 16
+    these were the fastest or within 4 % of it at every shape, and 1.35-2.0x faster at M = 8 and 16 than one
+    block per warp and step (the previous choice); rows of 64 over 2 warps came close on the longest rows. One
+    stage: the loop is pipelined by hand, and Triton's pipelining would stage the operands through shared memory.
 
     Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
     every codebook lookup through shared memory."""
     kb = _mma_block(n_levels, g)
     if lut_unit(n_levels, g) and (g % kb == 0 or kb % g == 0):
         nblk = -(-ng * g // kb)
-        s = 1 if n >= 8192 else 2
-        while s > 1 and 2 * s > nblk:
-            s //= 2
-        return 16, s, 1, 1 if nblk > 16 else 2
+        warps, blocks = (4, 4) if n < 8192 else (2, 4) if n < 16384 else (1, 4)
+        while warps * blocks > nblk and blocks > 1:
+            blocks //= 2
+        while warps * blocks > nblk and warps > 1:
+            warps //= 2
+        return 16 if n < 8192 else 32, warps, 1, 1 if nblk >= 16 else 2, 0, blocks
     geo = unit_geometry(n_levels, g)
     bk = geo["UPG_P"] * geo["PER_P"]
     bn = min(64 if n >= 8192 else 32, 8192 // bk)
@@ -2238,7 +2237,7 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
     m = x_rot.shape[0]
     sixteen = out_dtype in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    if m <= _pair_rows(codebook.numel(), norms.shape[0]) and sixteen and unit:
+    if m <= PAIR_MAX_M and sixteen and unit:
         x2, xs = pack_pairs(x_rot, unit, group_size)
         return gemv_pairs(x2, xs, packed, norms, codebook, group_size, out_dtype)
     norms = norms.contiguous()  # (float16 norms are read as they are)
@@ -2270,7 +2269,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     dt = x.dtype
     sixteen = dt in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    if m <= _pair_rows(codebook.numel(), norms.shape[0]) and sixteen and unit:
+    if m <= PAIR_MAX_M and sixteen and unit:
         xp, xs = rotate(x2, s1, s2, group_size, dt, unit=unit)
         return gemv_pairs(xp, xs, packed, norms, codebook, group_size, dt).reshape(*lead, n)
     norms = norms.contiguous()  # (float16 norms are read as they are)

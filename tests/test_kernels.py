@@ -139,14 +139,14 @@ def test_kernels_match_reference(L, bits, g):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_op_paths(L, bits, dtype):
-    """The whole op (`linear`) on every path: M=1 (the pair GEMV for 16-bit 2-, 3- and 4-bit, else FMA), M=3 and
-    4 (the pair GEMV with 4 rows a program for 16-bit 2- and 3-bit, tensor cores for 4-bit and ternary bytes, FMA
-    for fp32), M=5 (tensor cores for 16-bit, FMA for fp32), M=17 (dequantize + matmul), with 3-D activations."""
+    """The whole op (`linear`) on every path: M=1 and 2 (the pair GEMV, 1 and 2 rows a program, for 16-bit 2-, 3-
+    and 4-bit, else FMA), M=3, 4 and 5 (tensor cores for 16-bit, FMA for fp32), M=17 (dequantize + matmul), with
+    3-D activations."""
     g, n, k = 64, 24, 200
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=3)
     gen = torch.Generator().manual_seed(11)
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
-    for lead in ((1,), (3,), (2, 2), (5,), (1, 17)):
+    for lead in ((1,), (2,), (3,), (2, 2), (5,), (1, 17)):
         x = torch.randn(*lead, k, generator=gen).to(dtype)
         ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
         y = L.linear(x, packed, norms, cb, s1, s2, g, k)
