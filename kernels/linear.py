@@ -1337,14 +1337,20 @@ def _hfma2(p, x, h, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _units_tile(v, BN: tl.constexpr, UT: tl.constexpr):
+    """A `[BU]` vector over a step's units repeated for the BN weight rows: `[BN, BU]`, or `[BU, BN]` with UT
+    (the pair GEMV's tiles, see `_gemv_pair_kernel`)."""
+    if UT:
+        t = tl.broadcast_to(v[:, None], (v.shape[0], BN))
+    else:
+        t = tl.broadcast_to(v[None, :], (BN, v.shape[0]))
+    return t
+
+
+@triton.jit
 def _xpair(xrow, q: tl.constexpr, NUT: tl.constexpr, xu, BN: tl.constexpr, UT: tl.constexpr = 0):
     """Activation pair word q of units `xu` `[BU]`, broadcast over the BN weight rows (UT: `[BU, BN]`)."""
-    p = xrow + q * NUT + xu
-    if UT:
-        pt = tl.broadcast_to(p[:, None], (p.shape[0], BN))
-    else:
-        pt = tl.broadcast_to(p[None, :], (BN, p.shape[0]))
-    return tl.load(pt).to(tl.uint32, bitcast=True)
+    return tl.load(_units_tile(xrow + q * NUT + xu, BN, UT)).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -1528,16 +1534,11 @@ def _pair_scales(srow, uu, UPG: tl.constexpr, NUT: tl.constexpr, EVEN_U: tl.cons
     """Group scales of units `uu` of one activation row (zero past the row's end), broadcast over the BN weight
     rows: loaded as a `[BN, BU]` tile of repeated addresses, which lands in the accumulators' layout (a `[BU]`
     vector broadcast afterwards would pass through shared memory, with two barriers a step)."""
-    if UT:
-        p = tl.broadcast_to((srow + uu // UPG)[:, None], (uu.shape[0], BN))
-        live = tl.broadcast_to((uu < NUT)[:, None], (uu.shape[0], BN))
-    else:
-        p = tl.broadcast_to((srow + uu // UPG)[None, :], (BN, uu.shape[0]))
-        live = tl.broadcast_to((uu < NUT)[None, :], (BN, uu.shape[0]))
+    p = _units_tile(srow + uu // UPG, BN, UT)
     if EVEN_U:
         xs = tl.load(p)
     else:
-        xs = tl.load(p, mask=live, other=0.0)
+        xs = tl.load(p, mask=_units_tile(uu < NUT, BN, UT), other=0.0)
     return xs
 
 
