@@ -1902,9 +1902,10 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     exceeds the row's blocks. Prefetch 1 (the next step's words a step ahead) for rows of at least 16 blocks,
     else 2 (its activations and norms too). From a sweep on an H200 under Triton 3.6 (3-bit, G = 128, M = 8 and
     16, the benchmark shapes, 16 configurations), after the tiles were arranged for that release: at M = 16
-    these were the fastest or within 4 % of it at every shape, and 1.35-2.0x faster at M = 8 and 16 than one
-    block per warp and step (the previous choice); rows of 64 over 2 warps came close on the longest rows. One
-    stage: the loop is pipelined by hand, and Triton's pipelining would stage the operands through shared memory.
+    these were the fastest or within 4 % of it at every shape, and 1.35-1.9x faster than one block per warp and
+    step (the previous choice; 1.4-2.0x at M = 8 where measured); rows of 64 over 2 warps came close on the
+    longest rows. One stage: the loop is pipelined by hand, and Triton's pipelining would stage the operands
+    through shared memory.
 
     Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
     every codebook lookup through shared memory."""
