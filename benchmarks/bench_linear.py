@@ -130,7 +130,7 @@ class Case:
                      if layout.wanted(self.nl, g) else self.packed)
         self.layout = "runtime" if layout.is_runtime(self.ours) else "published"
         self.cb = fmt.codebook(self.nl, g, DEV)
-        self.cb_ours = layout.pairs_codebook(self.cb) if self.layout == "runtime" and self.nl == 3 else self.cb
+        self.cb_ours = layout.runtime_codebook(self.cb) if self.layout == "runtime" else self.cb
         self.s1, self.s2 = fmt.signs(g, DEV)
         self.w16 = w.to(torch.bfloat16)
         del w

@@ -1,9 +1,10 @@
 """Triton kernels for `torch.ops.turboquant.linear` (CUDA).
 
 The product `y = x @ W.T` for a TurboQuant-packed weight runs in two steps,
-reading the published tq3_native bytes or (ternary, 2- and 3-bit on a GPU) the
-runtime layout of `turboquant_hf.layout` (ternary there as 2-bit codes, read
-with a 4-entry codebook: to these kernels a 2-bit weight):
+reading the published tq3_native bytes or (ternary, 2-, 3- and 4-bit on a GPU)
+the runtime layout of `turboquant_hf.layout` (ternary there as 2-bit codes, read
+with a 4-entry codebook: to these kernels a 2-bit weight; 4-bit as sign-magnitude
+codes, read with `layout.runtime_codebook`):
 
 1. `rotate`: the activations, rotated per group of G (`x_rot = D2 . H . D1 . x`,
    H the normalised Walsh-Hadamard matrix), zero-padded to `n_groups * G`.
@@ -624,7 +625,7 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     _gemv_fma_kernel[grid](x_rot, pk, norms, codebook, out, idx, n, ng, x_rot.stride(0), out.stride(0),
                            NLEV=n_levels, G=group_size, PER=geo["PER"], WPU=geo["WPU"], UPG=geo["UPG"],
                            UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
-                           EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed), num_warps=warps)
+                           EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels), num_warps=warps)
     return out
 
 
@@ -959,6 +960,29 @@ prmt.b32 $3, l, h, 0x7362;
 }""")
 
 
+# 16 entries in the 4-bit runtime layout (sign-magnitude codes, `layout.runtime_codebook`: entry 8 + j is minus
+# entry j): one 8-entry lookup on the low three bits, and the nibbles' top bits (a byte mask, as above) XORed
+# into the sign bits of the high bytes: 15 instructions per eight values instead of 21.
+_PAIR16S_ASM = tl.constexpr("""{
+.reg .b32 s, a, m, l, h;
+and.b32 s, $4, 0x77777777;
+shl.b32 a, $4, 4;
+prmt.b32 l, $5, $6, s;
+prmt.b32 h, $7, $8, s;
+prmt.b32 m, a, $4, 0xD9C8;
+lop3.b32 h, h, m, 0x80808080, 0x78;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
+mul.hi.u32 s, s, 65536;
+prmt.b32 l, $5, $6, s;
+prmt.b32 h, $7, $8, s;
+prmt.b32 m, a, $4, 0xFBEA;
+lop3.b32 h, h, m, 0x80808080, 0x78;
+prmt.b32 $2, l, h, 0x5140;
+prmt.b32 $3, l, h, 0x7362;
+}""")
+
+
 @triton.jit
 def _mma_pattern(c, F16: tl.constexpr):
     """The 16-bit pattern (uint32) of float32 `c` rounded to nearest even: bfloat16, or float16 (F16)."""
@@ -971,11 +995,28 @@ def _mma_pattern(c, F16: tl.constexpr):
 
 
 @triton.jit
-def _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.constexpr):
+def _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.constexpr,
+               TUNED: tl.constexpr = 0):
     """The eight codebook values of the indices in the nibbles of uint32 `d` (3-bit fields for codebooks of
     up to 8 entries, 4-bit for 16) as four uint32 pairs of 16-bit patterns: values (0, 1), (2, 3), (4, 5),
-    (6, 7), the first of each pair in the low half."""
-    if USE_ASM and NLEV == 16:
+    (6, 7), the first of each pair in the low half. TUNED with 16 entries: sign-magnitude codes (the 4-bit
+    runtime layout), entries 8 .. 15 the negatives of 0 .. 7 (only t0 .. t3 are read)."""
+    if NLEV == 16 and TUNED:
+        if USE_ASM:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _PAIR16S_ASM, "=r,=r,=r,=r,r,r,r,r,r", [d, t0, t1, t2, t3], dtype=(tl.uint32,) * 4, is_pure=True,
+                pack=1)
+        else:
+            s = d & 0x77777777
+            a = d << 4
+            m = _prmt(a, d, 0xD9C8) & 0x80808080
+            p0 = _prmt(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x5140)
+            p1 = _prmt(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x7362)
+            s = s >> 16
+            m = _prmt(a, d, 0xFBEA) & 0x80808080
+            p2 = _prmt(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x5140)
+            p3 = _prmt(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x7362)
+    elif USE_ASM and NLEV == 16:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             _PAIR16_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [d, t0, t1, t2, t3, t4, t5, t6, t7],
             dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
@@ -1155,7 +1196,7 @@ def _mma_chunk(w0, w1, w2, CH: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7, nsc
         d = tl.inline_asm_elementwise(_TOP3_ASM, "=r,r,r,r", [w0, w1, w2], dtype=tl.uint32, is_pure=True, pack=1)
     else:
         d = _unit_nibbles(w0, w1, w2, CH, NLEV, TUNED)
-    p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
+    p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM, TUNED)
     if FOLD:
         p0 = _mma_scale(p0, nsc, F16, USE_ASM)
         p1 = _mma_scale(p1, nsc, F16, USE_ASM)
@@ -1397,7 +1438,7 @@ def _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, 
                                               pack=1)
             else:
                 d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
-            p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM)
+            p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM, TUNED)
             h0 = _chain4(p0, p1, p2, p3, 4 * ch, xr0, NUT, xu, BN, h0, USE_ASM, UT)
             if BM > 1:
                 h1 = _chain4(p0, p1, p2, p3, 4 * ch, xr1, NUT, xu, BN, h1, USE_ASM, UT)
@@ -1632,7 +1673,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     _gemv_pair_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, m, n, x2.stride(0), xs.stride(0),
         out.stride(0), NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm, USE_ASM=not _interpreting(),
-        EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed), PDL=pdl, PREFETCH=int(bool(prefetch)),
+        EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels, signed=True), PDL=pdl, PREFETCH=int(bool(prefetch)),
         UT=_lanes_first(), num_warps=warps, **opts)
     return out
 
@@ -1962,7 +2003,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
         _gemv_mma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
             x_rot, _packed_view(packed, 1), norms, codebook, out, m, n, x_rot.stride(0), out.stride(0), NG=ng,
             NLEV=n_levels, G=group_size, KB=kb, BN=bn, BM=bm, S=warps * blocks,
-            TUNED=_tuned(packed), F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(), PDL=pdl,
+            TUNED=_tuned(packed, n_levels, signed=True), F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(), PDL=pdl,
             LANES_FIRST=_lanes_first(),
             num_warps=warps, num_stages=stages, **opts)
         return out
@@ -1972,7 +2013,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
     _gemv_dot_kernel[grid](x_rot, pk, norms, codebook, out, m, n, ng, x_rot.stride(0), out.stride(0),
                            NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
-                           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, TUNED=_tuned(packed),
+                           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, TUNED=_tuned(packed, n_levels),
                            num_warps=warps,
                            num_stages=stages)
     return out
@@ -2134,7 +2175,7 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
     sel = select.reshape(-1) if select is not None else norms  # (unused without a selection)
     _dequant_lut_kernel[grid](pk, norms.contiguous(), _f32(codebook), signs1, signs2, out, sel, n, width,
                               out.stride(0), 1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
-                              UPG=group_size // per, BR=block_rows, TUNED=_tuned(packed),
+                              UPG=group_size // per, BR=block_rows, TUNED=_tuned(packed, n_levels),
                               USE_ASM=not _interpreting(), UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
                               num_warps=warps)
     return out
@@ -2154,7 +2195,7 @@ def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torc
     grid = (triton.cdiv(n, bn), ng)
     _dequant_kernel[grid](pk, norms, codebook, out, n, ng, out.stride(0),
                           NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
-                          UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=LUT_MASKS[n_levels], TUNED=_tuned(packed),
+                          UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=LUT_MASKS[n_levels], TUNED=_tuned(packed, n_levels),
                           num_warps=4)
     return out
 
@@ -2206,10 +2247,13 @@ def _interpreting() -> bool:
     return type(_rotate_kernel).__name__ == "InterpretedFunction"
 
 
-def _tuned(packed: torch.Tensor) -> bool:
-    """Whether `packed` is in the runtime layout (int32 words, `turboquant_hf.layout`) rather than the
-    published byte layout (uint8)."""
-    return packed.dtype == torch.int32
+def _tuned(packed: torch.Tensor, n_levels: int, signed: bool = False) -> bool:
+    """Whether a kernel reads `packed` as the runtime layout (int32 words, `turboquant_hf.layout`) rather than
+    the published byte layout (uint8). 4-bit words keep their nibbles where the published bytes have them and
+    hold sign-magnitude codes: only kernels whose lookups take the sign from the top bit (`signed`: the
+    tensor-core and pair GEMVs) treat them differently; the others read their nibbles with the runtime codebook
+    like published indices."""
+    return packed.dtype == torch.int32 and (n_levels != 16 or signed)
 
 
 def _packed_view(packed: torch.Tensor, wpu: int) -> torch.Tensor:
@@ -2217,7 +2261,7 @@ def _packed_view(packed: torch.Tensor, wpu: int) -> torch.Tensor:
     if not packed.is_contiguous():
         packed = packed.contiguous()
     flat = packed.reshape(-1)
-    if wpu == 0 or _tuned(packed):
+    if wpu == 0 or packed.dtype == torch.int32:
         return flat
     if flat.storage_offset() % 4:
         flat = flat.clone()

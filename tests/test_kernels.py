@@ -54,6 +54,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _kcb(pk: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+    """The codebook the kernels read `pk` with: `layout.runtime_codebook` for the runtime layout."""
+    return layout.runtime_codebook(cb) if layout.is_runtime(pk) else cb
+
+
 def _weight(n: int, k: int, bits, g: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen)
@@ -199,7 +204,7 @@ def test_pair_gemv_matches_reference(L, bits, g):
             ys = []
             launch = ((4, 1, 0, 1), (8, 1, 0, 1, 2 if g == 64 else 4)) if scale == 1.0 and m <= 2 else ()
             for cfg in (None, (4, 1)) + launch:
-                y = L.gemv_pairs(x2, xs, pk, norms, cb, g, torch.float32, config=cfg)
+                y = L.gemv_pairs(x2, xs, pk, norms, _kcb(pk, cb), g, torch.float32, config=cfg)
                 err = _rel(y, ref)
                 assert 1e-5 < err < 2e-3, (m, scale, cfg, pk.dtype, err)  # > 1e-5: float16 really in use
                 ys.append(y)
@@ -232,7 +237,7 @@ def test_pair_gemv_units_first(L, bits):
                 ys = []
                 for lanes_first in (False, True):
                     L._LANES_FIRST = lanes_first
-                    ys.append(L.gemv_pairs(x2, xs, pk, norms, cb, g, torch.float32, config=cfg))
+                    ys.append(L.gemv_pairs(x2, xs, pk, norms, _kcb(pk, cb), g, torch.float32, config=cfg))
                 assert _rel(ys[1], ref) < 2e-3 and _rel(ys[1], ys[0]) < 1e-6, (m, cfg)
         idx = torch.tensor([[0, -1], [0, 0]])  # (one expert: the weight itself; -1 gives zeros)
         x = torch.randn(2, k, generator=gen)
@@ -240,7 +245,8 @@ def test_pair_gemv_units_first(L, bits):
         outs = []
         for lanes_first in (False, True):
             L._LANES_FIRST = lanes_first
-            outs.append(L.gemv_pairs(x2, xs, pk, norms, cb, g, torch.float32, experts=1, expert_index=idx, x_div=2))
+            outs.append(L.gemv_pairs(x2, xs, pk, norms, _kcb(pk, cb), g, torch.float32, experts=1, expert_index=idx,
+                                     x_div=2))
         assert torch.equal(outs[1][1], torch.zeros(n)) and _rel(outs[1], outs[0]) < 1e-6
     finally:
         L._LANES_FIRST = None
@@ -306,7 +312,7 @@ def _mma_case(L, bits, g, n, k, m, runtime, f16=False, cfgs=(None,), seed=0):
     tol16 = 4e-3 if fold else (1e-3 if f16 else 1e-5)
     outs = []
     for cfg in cfgs:
-        y = L.gemv_dot(x_rot, pk, norms, cb, g, dt, config=cfg)
+        y = L.gemv_dot(x_rot, pk, norms, _kcb(pk, cb), g, dt, config=cfg)
         assert y.dtype == dt and y.shape == (m, n)
         err, err16 = _rel(y, ref), _rel(y, ref16)
         assert err16 < tol16 and 1e-5 < err < 6e-3, (bits, g, runtime, m, f16, cfg, err, err16)
@@ -326,7 +332,7 @@ def test_mma_gemv_matches_reference(L, bits, g):
     try:
         for lanes_first in (False, True):  # (both tile arrangements, whichever this Triton would pick)
             L._LANES_FIRST = lanes_first
-            for runtime in ((False, True) if bits in (2, 3) else (False,)):
+            for runtime in (False, True):
                 for m, cfgs in ((3, (None, (32, 2, 1, True), (16, 1, 1, 1, 0, 2))),
                                 (13, ((16, 4, 1, False), (16, 1, 1, 2), (16, 1, 1, 2, 0, 4)))):
                     if lanes_first:  # (fewer configs: the arrangement, not the launch options, is under test)
@@ -335,7 +341,7 @@ def test_mma_gemv_matches_reference(L, bits, g):
                     for y in outs[1:]:
                         assert _rel(y, outs[0]) < 1e-6  # (the warps split the sum differently)
         L._LANES_FIRST = None
-        _mma_case(L, bits, g, n, k, 5, bits in (2, 3), f16=True, seed=3)
+        _mma_case(L, bits, g, n, k, 5, True, f16=True, seed=3)
     finally:
         L._LANES_FIRST = None
 
@@ -371,36 +377,37 @@ def test_mma_gemv_small_groups(L):
         assert _rel(y, ref16) < 4e-3, (bits, _rel(y, ref16))
 
 
-@pytest.mark.parametrize("bits,g", [(2, 64), (3, 64), (3, 128)])
+@pytest.mark.parametrize("bits,g", [(2, 64), (3, 64), (3, 128), (4, 128)])
 def test_runtime_layout_kernels(L, bits, g):
-    """Every kernel reads the runtime layout (int32, `turboquant_hf.layout`) and gives exactly what it gives
-    for the published bytes: the pair GEMV (M = 1 and 3), the select GEMV, the tensor-core GEMV, the
-    dequantization, the whole op at M = 1, 5, 17, and the routed-expert mode."""
+    """Every kernel reads the runtime layout (int32, `turboquant_hf.layout`, with `layout.runtime_codebook`)
+    and gives exactly what it gives for the published bytes: the pair GEMV (M = 1 and 3), the select GEMV,
+    the tensor-core GEMV, the dequantization, the whole op at M = 1, 5, 17, and the routed-expert mode (4-bit:
+    sign-magnitude codes, whose lookups in the pair and tensor-core GEMVs set the sign from the top bit)."""
     n, k = 20, 330
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=40 + bits + g)
     nl, ng = cb.numel(), norms.shape[1]
-    rt = layout.to_runtime(packed, nl, g, ng)
+    rt, cbr = layout.to_runtime(packed, nl, g, ng), layout.runtime_codebook(cb)
     assert rt.dtype == torch.int32 and not torch.equal(rt.view(torch.uint8).view(packed.shape), packed)
     gen = torch.Generator().manual_seed(2)
-    assert torch.equal(L.dequantize_rotated(rt, norms, cb, g, torch.float32), codec.rotated_weight(packed, norms, cb, g))
+    assert torch.equal(L.dequantize_rotated(rt, norms, cbr, g, torch.float32), codec.rotated_weight(packed, norms, cb, g))
     for m in (1, 3):
         x = torch.randn(m, k, generator=gen)
         x2, xs = L.rotate(x, s1, s2, g, torch.float32, unit=L.lut_unit(nl))
         x_rot = L.rotate(x, s1, s2, g, torch.float32)
-        assert torch.equal(L.gemv_pairs(x2, xs, rt, norms, cb, g, torch.float32),
+        assert torch.equal(L.gemv_pairs(x2, xs, rt, norms, cbr, g, torch.float32),
                            L.gemv_pairs(x2, xs, packed, norms, cb, g, torch.float32)), m
-        assert torch.equal(L.gemv_fma(x_rot, rt, norms, cb, g, torch.float32),
+        assert torch.equal(L.gemv_fma(x_rot, rt, norms, cbr, g, torch.float32),
                            L.gemv_fma(x_rot, packed, norms, cb, g, torch.float32)), m
-        assert torch.equal(L.gemv_dot(x_rot, rt, norms, cb, g, torch.float32, config=(16, 4, 1)),
+        assert torch.equal(L.gemv_dot(x_rot, rt, norms, cbr, g, torch.float32, config=(16, 4, 1)),
                            L.gemv_dot(x_rot, packed, norms, cb, g, torch.float32, config=(16, 4, 1))), m
     for lead in ((1,), (5,), (17,)):
         x = torch.randn(*lead, k, generator=gen).to(torch.bfloat16)
         ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
-        y = L.linear(x, rt, norms, cb, s1, s2, g, k)
+        y = L.linear(x, rt, norms, cbr, s1, s2, g, k)
         assert torch.equal(y, L.linear(x, packed, norms, cb, s1, s2, g, k)), lead
         assert _rel(y, ref) < 1.5e-2, lead
         # the reference accepts the runtime layout too (a module moved between devices keeps working)
-        assert torch.equal(ops.turboquant_linear(x.float(), rt, norms, cb, s1, s2, g, k), ref)
+        assert torch.equal(ops.turboquant_linear(x.float(), rt, norms, cbr, s1, s2, g, k), ref)
     # routed experts: stacked matrices, the runtime layout row by row
     e = 3
     w = torch.randn(e, n, k, generator=gen)
@@ -408,7 +415,7 @@ def test_runtime_layout_kernels(L, bits, g):
     re_ = layout.to_runtime(pe, nl, g, ng)
     idx = torch.tensor([2, 0, -1, 1])
     x2, xs = L.rotate(torch.randn(2, k, generator=gen), s1, s2, g, torch.float32, unit=L.lut_unit(nl))
-    assert torch.equal(L.gemv_pairs(x2, xs, re_, ne, cb, g, torch.float32, experts=e, expert_index=idx, x_div=2),
+    assert torch.equal(L.gemv_pairs(x2, xs, re_, ne, cbr, g, torch.float32, experts=e, expert_index=idx, x_div=2),
                        L.gemv_pairs(x2, xs, pe, ne, cb, g, torch.float32, experts=e, expert_index=idx, x_div=2))
 
 
@@ -453,7 +460,7 @@ def M(L):
     return mod
 
 
-@pytest.mark.parametrize("bits,runtime", [(3, True), (4, False), (fmt.TERNARY, False), (fmt.TERNARY, True)])
+@pytest.mark.parametrize("bits,runtime", [(3, True), (4, False), (4, True), (fmt.TERNARY, False), (fmt.TERNARY, True)])
 def test_moe_experts_kernel_paths(L, M, bits, runtime):
     """The CUDA implementation of the MoE op (run under the interpreter) against the torch reference:
     the pair path (few tokens: the pair GEMV for 3-bit, 4-bit and ternary in the runtime layout, the select GEMV
@@ -471,7 +478,7 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
     gu_k, d_k, cb_k = gu_p, d_p, cb  # what the kernels get: the layout TurboQuantExperts holds on a GPU
     if runtime:
         gu_k, d_k = layout.to_runtime(gu_p, nl, g, h // g), layout.to_runtime(d_p, nl, g, inter // g)
-        cb_k = layout.pairs_codebook(cb) if nl == 3 else cb
+        cb_k = layout.runtime_codebook(cb)
     M.PAIR_MAX_ROWS = 8  # (this copy only) 2 tokens x top-3 take the pair path, 4 tokens the grouped one
     M.PREFILL_SCRATCH_BYTES = 2 * (3 * inter * h) * 4  # two experts' float32 weights a chunk
     for t in (2, 4):
@@ -564,8 +571,9 @@ def test_lookup_dequantization(L, bits, g):
     first = None
     for pk in layouts:
         for block_rows, programs in ((16, 2), (64, 0)):
-            rot = L.dequantize_lut(pk, norms, cb, g, torch.float32, block_rows=block_rows, programs=programs)
-            w = L.dequantize_lut(pk, norms, cb, g, torch.float32, s1, s2, k, block_rows=block_rows, programs=programs)
+            rot = L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, block_rows=block_rows, programs=programs)
+            w = L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, s1, s2, k, block_rows=block_rows,
+                                 programs=programs)
             assert rot.shape == rot_ref.shape and w.shape == w_ref.shape
             assert 1e-5 < _rel(rot, rot_ref) < 4e-3 and 1e-5 < _rel(w, w_ref) < 4e-3, (pk.dtype, block_rows)
             if first is None:
@@ -574,8 +582,10 @@ def test_lookup_dequantization(L, bits, g):
         # selected matrices of a stack (experts): the 21 rows as three matrices of 7, the third and the first
         sel = torch.tensor([2, 0], dtype=torch.int32)
         rows = torch.cat([torch.arange(14, 21), torch.arange(0, 7)])
-        assert torch.equal(L.dequantize_lut(pk, norms, cb, g, torch.float32, select=sel, select_rows=7), first[0][rows])
-        assert torch.equal(L.dequantize_lut(pk, norms, cb, g, torch.float32, s1, s2, k, select=sel, select_rows=7),
+        assert torch.equal(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, select=sel, select_rows=7),
+                           first[0][rows])
+        assert torch.equal(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, s1, s2, k, select=sel,
+                                            select_rows=7),
                            first[1][rows])
     with pytest.raises(ValueError, match="4-, 8- and 16-entry"):
         t_packed, t_norms, t_cb, *_ = _weight(4, 64, fmt.TERNARY, 64, seed=1)
@@ -635,12 +645,12 @@ def _cuda_check(bits) -> int:
             packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=n + k + g)
             pk_d, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (packed, norms, cb, s1, s2))
             nl, ng = cb.numel(), norms.shape[1]
-            # the published bytes at every M; the runtime layout (ternary, 2-, 3-bit; ternary read with its
-            # 4-entry codebook) on each path: LUT, mma, prefill
+            # the published bytes at every M; the runtime layout (ternary, 2-, 3-, 4-bit, read with
+            # `layout.runtime_codebook`) on each path: LUT, mma, prefill
             layouts = [("published", pk_d, cb_d, (1, 2, 3, 8, 16, 17, 100))]
             if layout.supports(nl, g):
                 layouts.append(("runtime", layout.to_runtime(pk_d, nl, g, ng),
-                                layout.pairs_codebook(cb_d) if nl == 3 else cb_d, (1, 3, 16, 17)))
+                                layout.runtime_codebook(cb_d), (1, 3, 16, 17)))
             for name, pk, cb_k, ms in layouts:
                 for m in ms:
                     x = torch.randn(m, k)
@@ -682,7 +692,7 @@ def _cuda_check(bits) -> int:
         n, k, g = 1000, 2048, 128
         packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=12)
         pk = layout.to_runtime(packed, nl, g, k // g) if layout.supports(nl, g) else packed
-        pk, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (pk, norms, cb, s1, s2))
+        pk, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (pk, norms, _kcb(pk, cb), s1, s2))
         for m in (1, 2, 4, 5, 16):
             x = torch.randn(m, k).to(torch.bfloat16)
             refd = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
@@ -712,7 +722,7 @@ def _cuda_check(bits) -> int:
     nl = cb.numel()
     weights = [("published", dev_w)]
     if layout.supports(nl, g):  # the runtime layout, as TurboQuantExperts holds it on a GPU
-        cb_rt = layout.pairs_codebook(dev_w[2]) if nl == 3 else dev_w[2]
+        cb_rt = layout.runtime_codebook(dev_w[2])
         weights.append(("runtime", [layout.to_runtime(dev_w[0], nl, g, h // g), dev_w[1], cb_rt,
                                     layout.to_runtime(dev_w[3], nl, g, inter // g), dev_w[4], cb_rt, *dev_w[6:]]))
     for (name, wl), t in [(w, t) for w in weights for t in (1, 3, 40)]:

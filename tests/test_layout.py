@@ -1,4 +1,4 @@
-"""The runtime layout of packed ternary, 2- and 3-bit indices (`turboquant_hf.layout`) and how modules keep
+"""The runtime layout of packed ternary, 2-, 3- and 4-bit indices (`turboquant_hf.layout`) and how modules keep
 it out of checkpoints: exact round trips, the documented bit positions, and a module whose packed tensor is
 in the runtime layout (as on a GPU) still computing, saving, reloading and dequantizing as the published one."""
 
@@ -10,7 +10,8 @@ from turboquant_hf import format as fmt
 from turboquant_hf.modules import quantize_linear_
 
 
-@pytest.mark.parametrize("n_levels,g", [(3, 64), (3, 128), (4, 64), (4, 128), (8, 64), (8, 128), (8, 256)])
+@pytest.mark.parametrize("n_levels,g", [(3, 64), (3, 128), (4, 64), (4, 128), (8, 64), (8, 128), (8, 256), (16, 64),
+                                       (16, 128)])
 def test_round_trip_and_bit_positions(n_levels, g):
     rows, ng = 7, 3
     gen = torch.Generator().manual_seed(n_levels * g)
@@ -28,8 +29,12 @@ def test_round_trip_and_bit_positions(n_levels, g):
     words = rt.view(rows, -1).long() & 0xFFFFFFFF
     want = idx.view(rows, nut, per)
     got = torch.empty_like(want)
+    if n_levels == 16:  # index i as its sign-magnitude code in nibble j: i - 8 (upper half) or 8 + (7 - i)
+        want = torch.where(want >= 8, want - 8, 15 - want)
     for j in range(per):
-        if n_levels in (3, 4):
+        if n_levels == 16:
+            got[:, :, j] = (words >> (4 * j)) & 15
+        elif n_levels in (3, 4):
             got[:, :, j] = (words >> (4 * j if j < 8 else 4 * (j - 8) + 2)) & 3
         elif j < 24:
             p, n = divmod(j, 8)
@@ -41,10 +46,10 @@ def test_round_trip_and_bit_positions(n_levels, g):
 
 
 def test_layouts_that_do_not_exist_are_refused():
-    assert not layout.supports(16, 128) and not layout.supports(8, 16) and not layout.supports(3, 8)
-    packed = codec.pack_indices(torch.zeros(2, 128, dtype=torch.long), 16)
+    assert not layout.supports(8, 16) and not layout.supports(3, 8) and not layout.supports(16, 4)
+    packed = codec.pack_indices(torch.zeros(2, 16, dtype=torch.long), 8)
     with pytest.raises(ValueError, match="no runtime layout"):
-        layout.to_runtime(packed, 16, 128, 1)
+        layout.to_runtime(packed, 8, 16, 1)
     with pytest.raises(TypeError, match="uint8"):
         layout.to_runtime(torch.zeros(2, 12, dtype=torch.int32), 8, 128, 1)
     # a 2-bit code 3 is no base-3 digit: such words are not a ternary weight's, and are never saved as one
@@ -55,7 +60,23 @@ def test_layouts_that_do_not_exist_are_refused():
         layout.pairs_codebook(fmt.codebook(4, 128))
 
 
-@pytest.mark.parametrize("bits", [fmt.TERNARY, 2, 3])
+@pytest.mark.parametrize("g", [64, 128, 256])
+def test_four_bit_runtime_codebook_is_sign_magnitude(g):
+    """The 4-bit runtime codes are read with the format codebook's upper half, then its negatives: exact,
+    because the format's codebooks are exactly symmetric (the kernels rely on entry 8 + j = -entry j)."""
+    cb = fmt.codebook(16, g)
+    rc = layout.runtime_codebook(cb)
+    assert torch.equal(cb, -cb.flip(0)) and torch.equal(rc[8:], -rc[:8]) and bool((rc[:8] > 0).all())
+    idx = torch.randint(0, 16, (6, g), generator=torch.Generator().manual_seed(g))
+    packed = codec.pack_indices(idx, 16)
+    rt = layout.to_runtime(packed, 16, g, 2)
+    norms = torch.rand(3, 2) + 0.5
+    assert torch.equal(codec.rotated_weight(layout.codes(rt, 16, g, 2), norms, rc, g),
+                       codec.rotated_weight(packed, norms, cb, g))
+    assert layout.codes(packed, 16, g, 2) is packed
+
+
+@pytest.mark.parametrize("bits", [fmt.TERNARY, 2, 3, 4])
 def test_module_in_runtime_layout_computes_saves_and_reloads_the_published_bytes(bits):
     torch.manual_seed(bits)
     lin = TurboQuantLinear(300, 40, bias=False, bits=bits, group_size=64)
@@ -85,12 +106,17 @@ def test_module_in_runtime_layout_computes_saves_and_reloads_the_published_bytes
     assert not w.runtime_layout and torch.equal(w.tq_packed, published)
 
 
-def test_non_tunable_tiers_stay_published(monkeypatch):
+def test_which_tiers_take_the_runtime_layout(monkeypatch):
     lin = TurboQuantLinear(256, 16, bias=False, bits=4, group_size=128)
     quantize_linear_(lin, torch.randn(16, 256))
-    assert not lin.weight.use_runtime_layout_()  # (on CPU nothing changes either)
+    assert lin.weight.wants_runtime_layout() and layout.wanted(16, 128)
+    assert not lin.weight.use_runtime_layout_()  # (on CPU nothing changes)
     assert lin.weight.tq_packed.dtype == torch.uint8
-    assert not layout.wanted(16, 128)
+    # 4-bit with a stored codebook (turboquant-mlx) stays published: the 4-bit runtime codes need the format's
+    # symmetric codebook
+    had = TurboQuantLinear(256, 16, bias=False, bits=4, group_size=128, rotation="hadamard")
+    assert not had.weight.wants_runtime_layout()
+    assert TurboQuantLinear(256, 16, bias=False, bits=3, group_size=128, rotation="hadamard").weight.wants_runtime_layout()
     # ternary weights take the 2-bit runtime layout unless the compact published bytes are asked for
     assert layout.wanted(3, 128)
     monkeypatch.setenv("TURBOQUANT_COMPACT_TERNARY", "1")

@@ -24,15 +24,16 @@ def format_constants(n_levels: int, group_size: int, device,
                      runtime: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codebook, signs1, signs2) on `device`, shared by every module (never buffers: nothing to load or save).
 
-    `runtime`: the codebook that packed indices in the runtime layout are read with (for ternary weights the
-    4-entry `layout.pairs_codebook`; the format codebook itself otherwise)."""
+    `runtime`: the codebook that packed indices in the runtime layout are read with (`layout.runtime_codebook`:
+    for ternary weights the 4-entry `layout.pairs_codebook`, for 4-bit the sign-magnitude order; the format
+    codebook itself otherwise)."""
     device = torch.device(device)
-    runtime = runtime and n_levels == 3
+    runtime = runtime and n_levels in (3, 16)
     key = (n_levels, group_size, device, runtime)
     if key not in _CONSTANTS:
         s1, s2 = fmt.signs(group_size, device)
         cb = fmt.codebook(n_levels, group_size, device)
-        _CONSTANTS[key] = (layout.pairs_codebook(cb) if runtime else cb, s1, s2)
+        _CONSTANTS[key] = (layout.runtime_codebook(cb) if runtime else cb, s1, s2)
     return _CONSTANTS[key]
 
 
@@ -127,7 +128,8 @@ class TurboQuantWeight(nn.Module):
 
     def kernel_codebook(self) -> torch.Tensor:
         """The codebook the ops receive with `tq_packed`: the stored one (`rotation="hadamard"`) or the format's,
-        and for a ternary weight in the runtime layout (2-bit codes) that codebook padded to four entries."""
+        and for a ternary or 4-bit weight in the runtime layout that codebook as `layout.runtime_codebook` orders
+        it (stored codebooks: ternary only, see `use_runtime_layout_`)."""
         if self.rotation == "hadamard":
             return self._pairs_codebook if self.runtime_layout and self.n_levels == 3 else self.tq_codebook
         return format_constants(self.n_levels, self.group_size, self.tq_packed.device, self.runtime_layout)[0]
@@ -136,12 +138,19 @@ class TurboQuantWeight(nn.Module):
         """`tq_packed` in the published layout (the tensor itself when it already is)."""
         return layout.published(self.tq_packed, self.n_levels, self.group_size, self.n_groups)
 
+    def wants_runtime_layout(self) -> bool:
+        """Whether this weight takes the runtime layout on a CUDA device: `layout.wanted`, except 4-bit weights
+        with a stored codebook (`rotation="hadamard"`), since the 4-bit runtime codes need the format's
+        symmetric codebook."""
+        return layout.wanted(self.n_levels, self.group_size) and not (
+            self.n_levels == 16 and self.rotation == "hadamard")
+
     def use_runtime_layout_(self) -> bool:
         """Rearrange `tq_packed` into the runtime layout when it lives on a CUDA device and the weight has one
-        (ternary, 2- and 3-bit; see `layout.wanted`); returns whether it is in that layout now. Lossless:
-        `published_packed()` inverts it."""
+        (ternary, 2-, 3- and 4-bit; see `layout.wanted`); returns whether it is in that layout now. Lossless:
+        `published_packed()` inverts it. See `wants_runtime_layout`."""
         t = self.tq_packed
-        if (t.dtype == torch.uint8 and t.device.type == "cuda" and layout.wanted(self.n_levels, self.group_size)
+        if (t.dtype == torch.uint8 and t.device.type == "cuda" and self.wants_runtime_layout()
                 and tuple(t.shape) == self.expected_shapes()["tq_packed"]):
             self.tq_packed = layout.to_runtime(t, self.n_levels, self.group_size, self.n_groups)
         if self.runtime_layout and self.n_levels == 3 and self.rotation == "hadamard":

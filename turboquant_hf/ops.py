@@ -61,7 +61,7 @@ def codebook_matmul(
     block = max(1, _REFERENCE_BLOCK_ELEMENTS // (n_groups * group_size))
     for start in range(0, rows, block):
         stop = min(rows, start + block)
-        chunk = layout.published(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
+        chunk = layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
         w = codec.rotated_weight(chunk, norms[start:stop], codebook, group_size)
         out[:, start:stop] = x_rot @ w.T
     return out

@@ -350,7 +350,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
                             f"{name}.{attr}: expected shape {shape}, got {got} on {t.device}"
                         )
         model.__dict__.pop("get_parameter_or_buffer", None)
-        for module in model.modules():  # ternary, 2- and 3-bit weights on a GPU: the kernels' runtime layout
+        for module in model.modules():  # weights on a GPU: the kernels' runtime layout (`layout.wanted`)
             if isinstance(module, TurboQuantWeight):
                 module.use_runtime_layout_()
         self._restore_requested_dtype(model)
