@@ -470,9 +470,10 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
            "included where it outlasts the GPU's; the peer is timed this way); median of 30; every output checked "
            "against the float32 torch reference before and after timing (rel. error column). Ours reads the packed "
            "indices in the layout TurboQuantLinear holds on a GPU (2- and 3-bit: the runtime layout, "
-           "`turboquant_hf.layout`, same bytes rearranged; ternary: the runtime layout's 2-bit codes, 32 instead of 26 "
-           "bytes per group; 4-bit: the published bytes) and the norms in the dtype it stores (float16 for ternary, "
-           "else float32); the peer always gets the published bytes.",
+           "`turboquant_hf.layout`, same bytes rearranged; 4-bit: the same bytes as sign-magnitude codes of the "
+           "symmetric codebook; ternary: the runtime layout's 2-bit codes, 32 instead of 26 bytes per group) and the "
+           "norms in the dtype it stores (float16 for ternary, else float32); the peer always gets the published "
+           "bytes.",
            "- ratio = bf16 time / ours (> 1: ours faster). GB/s counts the packed bytes ours reads + norms and the "
            "bf16 weight (cuBLAS); the measured copy ceiling on this card is about 4300 GB/s.",
            f"- peer: {env.get('peer', 'n/a')}, its Triton kernels only (no vLLM), fed the same packed/norms "
