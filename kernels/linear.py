@@ -1939,8 +1939,11 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch, maxnreg, blocks). Each program
     takes BN weight rows and S = num_warps x blocks of the row's KB-input blocks per step, so that many
     independent loads are in flight: S = 16 (4 warps of 4 blocks) below 8192 rows, 8 (2 warps of 4) below 16384,
-    else 4 (one warp of 4), BN = 16 below 8192 rows, else 32; S is halved (blocks first, then warps) while it
-    exceeds the row's blocks. Prefetch 1 (the next step's words a step ahead) for rows of at least 16 blocks,
+    else 4 (one warp of 4), BN = 16 below 8192 rows, else 32. 4-bit, whose two lookups a value hold more
+    registers (255 a thread at 2 warps of 4 blocks, 12.5 % occupancy under ncu), takes 4 warps: of 4 blocks
+    and 16 rows below 4096 rows, of 2 and 32 rows below 8192, else of 1 and 32 rows (GEMV alone at M = 16,
+    H200: 4096x14336 34.7 -> 21.8 us, 8192x28672 106.9 -> 71.0, 512->2048 3.1 -> 2.5). S is halved (blocks
+    first, then warps) while it exceeds the row's blocks. Prefetch 1 (the next step's words a step ahead) for rows of at least 16 blocks,
     else 2 (its activations and norms too). From a sweep on an H200 under Triton 3.6 (3-bit, G = 128, M = 8 and
     16, the benchmark shapes, 16 configurations), after the tiles were arranged for that release: at M = 16
     these were the fastest or within 4 % of it at every shape, and 1.35-1.9x faster than one block per warp and
@@ -1953,12 +1956,15 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     kb = _mma_block(n_levels, g)
     if lut_unit(n_levels, g) and (g % kb == 0 or kb % g == 0):
         nblk = -(-ng * g // kb)
-        warps, blocks = (4, 4) if n < 8192 else (2, 4) if n < 16384 else (1, 4)
+        if n_levels == 16:  # its lookups hold more registers: fewer blocks per warp, 4 warps
+            bn, warps, blocks = (16, 4, 4) if n < 4096 else (32, 4, 2) if n < 8192 else (32, 4, 1)
+        else:
+            bn, (warps, blocks) = 16 if n < 8192 else 32, (4, 4) if n < 8192 else (2, 4) if n < 16384 else (1, 4)
         while warps * blocks > nblk and blocks > 1:
             blocks //= 2
         while warps * blocks > nblk and warps > 1:
             warps //= 2
-        return 16 if n < 8192 else 32, warps, 1, 1 if nblk >= 16 else 2, 0, blocks
+        return bn, warps, 1, 1 if nblk >= 16 else 2, 0, blocks
     geo = unit_geometry(n_levels, g)
     bk = geo["UPG_P"] * geo["PER_P"]
     bn = min(64 if n >= 8192 else 32, 8192 // bk)
