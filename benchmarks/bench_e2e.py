@@ -1,6 +1,7 @@
 """The MoE layer and end-to-end batch-1 decode on one CUDA GPU: bf16 against TurboQuant, same run.
 
     python benchmarks/bench_e2e.py --md E2E.md --json e2e.json [--models llama8b qwen36] [--skip-moe]
+                                   [--compile llama8b]
 
 MoE layer (E = 256, top-8, H = 2048, I = 512, the Qwen3.6-35B-A3B experts): transformers' own fused
 bf16 experts module, with its "eager" implementation (a loop over the routed experts) and its "grouped_mm"
@@ -14,7 +15,9 @@ quantized (the recipe's modules replaced exactly as `from_pretrained(..., quanti
 does). A 16-token prompt is prefilled into a `StaticCache`, then one decode step is captured in a CUDA
 graph and replayed; tokens/s over 64 steps (the argmax of each step fed back). A second row per model
 times plain eager decoding (a DynamicCache, one forward per token, as `generate` runs without graphs or
-compilation), where host overhead per kernel launch counts. Where capture fails, the graph row says why.
+compilation), where host overhead per kernel launch counts. Models named in `--compile` get a third row: the
+forward compiled with `torch.compile(fullgraph=True)` (our ops are opaque custom ops there; inductor fuses what
+lies between them), then captured and replayed the same way. Where capture fails, the row says why.
 """
 
 from __future__ import annotations
@@ -197,52 +200,68 @@ def _eager_tps(model, ids, steps: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
-def decode_tps(model, steps: int = 64, prompt: int = 16) -> list[dict]:
-    """Decode tokens/s, one row per mode: a captured CUDA-graph step replayed, then plain eager decoding."""
+def _graph_tps(model, forward, ids, steps: int, prompt: int) -> float:
+    """Tokens/s of decode steps `forward(...)` (the model's own forward, or a compiled one) captured once in a
+    CUDA graph over a StaticCache and replayed, the argmax fed back."""
     from transformers import StaticCache
 
+    cache = StaticCache(config=model.config, max_cache_len=prompt + steps + 8)
+    out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device=DEV),
+                use_cache=True)
+    static_ids = out.logits[:, -1:].argmax(-1)
+    static_pos = torch.tensor([prompt], device=DEV)
+
+    def step():
+        return forward(input_ids=static_ids, past_key_values=cache, cache_position=static_pos,
+                       use_cache=True).logits
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # a compiled forward compiles on the first call
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(steps):
+        static_pos.fill_(prompt + i)
+        graph.replay()
+        static_ids.copy_(logits[:, -1:].argmax(-1))
+    torch.cuda.synchronize()
+    tps = steps / (time.perf_counter() - t)
+    del graph, cache
+    return tps
+
+
+def decode_tps(model, steps: int = 64, prompt: int = 16, compile: bool = False) -> list[dict]:
+    """Decode tokens/s, one row per mode: a captured CUDA-graph step replayed; with `compile`, the same with
+    the forward compiled by `torch.compile(fullgraph=True)` first (inductor fuses the norms, rotary embedding
+    and residual adds around the linears); then plain eager decoding."""
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, prompt), device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
     rows = []
+    modes = [("CUDA graph", lambda: model.forward)]
+    if compile:
+        modes.append(("torch.compile + CUDA graph",
+                      lambda: torch.compile(model.forward, fullgraph=True, dynamic=False)))
     with torch.no_grad():
-        try:
-            cache = StaticCache(config=model.config, max_cache_len=prompt + steps + 8)
-            out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device=DEV),
-                        use_cache=True)
-            static_ids = out.logits[:, -1:].argmax(-1)
-            static_pos = torch.tensor([prompt], device=DEV)
-
-            def step():
-                return model(input_ids=static_ids, past_key_values=cache, cache_position=static_pos,
-                             use_cache=True).logits
-
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(s)
+        for mode, make in modes:
+            try:
+                t0 = time.perf_counter()
+                tps = _graph_tps(model, make(), ids, steps, prompt)
+                rows.append(dict(mode=mode, tokens_per_s=tps, setup_s=time.perf_counter() - t0))
+            except Exception as exc:  # noqa: BLE001 - record why; the other rows still run
+                rows.append(dict(mode=mode, tokens_per_s=float("nan"), graph_error=repr(exc)[:300]))
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = step()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for i in range(steps):
-                static_pos.fill_(prompt + i)
-                graph.replay()
-                static_ids.copy_(logits[:, -1:].argmax(-1))
-            torch.cuda.synchronize()
-            rows.append(dict(mode="CUDA graph", tokens_per_s=steps / (time.perf_counter() - t)))
-            del graph, cache
-        except Exception as exc:  # noqa: BLE001 - record why; the eager row still runs
-            rows.append(dict(mode="CUDA graph", tokens_per_s=float("nan"), graph_error=repr(exc)[:300]))
-        torch.cuda.synchronize()
         rows.append(dict(mode="eager", tokens_per_s=_eager_tps(model, ids, steps)))
     return rows
 
 
-def bench_model(key: str, recipes: list[str]) -> list[dict]:
+def bench_model(key: str, recipes: list[str], compile: bool = False) -> list[dict]:
     label, make_config, cls_name = MODELS[key]
     rows = []
     results = {}
@@ -251,7 +270,7 @@ def bench_model(key: str, recipes: list[str]) -> list[dict]:
         torch.cuda.empty_cache()
         model = build(make_config(), cls_name, recipe)
         nbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-        for r in decode_tps(model):
+        for r in decode_tps(model, compile=compile):
             r.update(model=label, recipe=recipe or "bf16", GB=nbytes / 1e9)
             results[recipe, r["mode"]] = r
             if recipe:
@@ -295,7 +314,7 @@ def markdown(env: dict, moe: list[dict], e2e: list[dict], command: str) -> str:
                        f"{r.get('ratio', 1.0):.2f} |")
         errs = [r for r in e2e if "graph_error" in r]
         for r in errs:
-            out.append(f"\n- {r['model']} {r['recipe']}: CUDA-graph capture failed ({r['graph_error']})")
+            out.append(f"\n- {r['model']} {r['recipe']} ({r['mode']}): failed ({r['graph_error']})")
     return "\n".join(out) + "\n"
 
 
@@ -304,6 +323,8 @@ def main() -> int:
     ap.add_argument("--models", nargs="*", default=["llama8b"])
     ap.add_argument("--recipes", nargs="*", default=["tq3"])
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--compile", nargs="*", default=[], metavar="MODEL",
+                    help="also time these models with the forward compiled (torch.compile) before capture")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -313,7 +334,7 @@ def main() -> int:
     e2e = []
     for key in args.models:
         recipes = args.recipes if key != "qwen36" else sorted(set(args.recipes) | {"tq3", "tq3a-tqTe"})
-        e2e += bench_model(key, recipes)
+        e2e += bench_model(key, recipes, compile=key in args.compile)
     md = markdown(env, moe, e2e, "python " + " ".join(sys.argv))
     print(md)
     if args.md:
