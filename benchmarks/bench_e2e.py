@@ -37,6 +37,7 @@ import triton
 
 import turboquant_hf  # noqa: F401
 from turboquant_hf import codec
+from turboquant_hf.fusion import fuse_projections
 from turboquant_hf.modules import TurboQuantExperts, TurboQuantWeight
 from turboquant_hf.recipes import get_recipe
 from turboquant_hf.sizing import apply_plan
@@ -261,17 +262,20 @@ def decode_tps(model, steps: int = 64, prompt: int = 16, compile: bool = False) 
     return rows
 
 
-def bench_model(key: str, recipes: list[str], compile: bool = False) -> list[dict]:
+def bench_model(key: str, recipes: list[str], compile: bool = False, fuse: bool = False) -> list[dict]:
     label, make_config, cls_name = MODELS[key]
     rows = []
     results = {}
-    for recipe in [None] + recipes:
+    runs = [(None, False)] + [(r, False) for r in recipes] + ([(r, True) for r in recipes] if fuse else [])
+    for recipe, fuse_it in runs:
         gc.collect()
         torch.cuda.empty_cache()
         model = build(make_config(), cls_name, recipe)
+        fused = fuse_projections(model) if fuse_it else 0
         nbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
         for r in decode_tps(model, compile=compile):
-            r.update(model=label, recipe=recipe or "bf16", GB=nbytes / 1e9)
+            r.update(model=label, recipe=(recipe or "bf16") + (" (fused q/k/v, gate/up)" if fused else ""),
+                     GB=nbytes / 1e9, fused_groups=fused)
             results[recipe, r["mode"]] = r
             if recipe:
                 r["ratio"] = r["tokens_per_s"] / results[None, r["mode"]]["tokens_per_s"]
@@ -325,6 +329,8 @@ def main() -> int:
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--compile", nargs="*", default=[], metavar="MODEL",
                     help="also time these models with the forward compiled (torch.compile) before capture")
+    ap.add_argument("--fuse", action="store_true",
+                    help="also time each recipe with q/k/v and gate/up fused (turboquant_hf.fusion.fuse_projections)")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -334,7 +340,7 @@ def main() -> int:
     e2e = []
     for key in args.models:
         recipes = args.recipes if key != "qwen36" else sorted(set(args.recipes) | {"tq3", "tq3a-tqTe"})
-        e2e += bench_model(key, recipes, compile=key in args.compile)
+        e2e += bench_model(key, recipes, compile=key in args.compile, fuse=args.fuse)
     md = markdown(env, moe, e2e, "python " + " ".join(sys.argv))
     print(md)
     if args.md:

@@ -169,3 +169,38 @@ def test_compiled_and_graph_captured_model_match_eager(tiny_llama_dir):
         again = decode_step(StaticCache(config=model.config, max_cache_len=32), 1, capture=False)
         replayed = decode_step(StaticCache(config=model.config, max_cache_len=32), 1, capture=True)
     assert torch.equal(replayed, again)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 1.58])
+def test_fused_projections_on_gpu_match_unfused(tiny_llama_dir, bits, monkeypatch):
+    """`from_pretrained` onto a GPU fuses q/k/v and gate/up (`turboquant_hf.fusion`) in the runtime layout: the
+    same logits as the members run one by one, at prefill and at one token (the pair GEMV), eager and under
+    torch.compile(fullgraph=True); `TURBOQUANT_FUSE=0` leaves them unfused."""
+    from turboquant_hf.fusion import fuse_projections, unfuse_projections
+
+    cfg = TurboQuantConfig(bits=bits, group_size=64)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg, device_map="cuda",
+                                                 dtype=torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    assert getattr(attn.q_proj, "_tq_group", None) is not None
+    assert attn.k_proj.weight.runtime_layout and attn.k_proj.weight.tq_packed.is_cuda
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    with torch.no_grad():
+        fused = model(input_ids=ids, use_cache=False).logits
+        fused1 = model(input_ids=ids[:, :1], use_cache=False).logits
+        assert unfuse_projections(model) == 4
+        ref = model(input_ids=ids, use_cache=False).logits
+        ref1 = model(input_ids=ids[:, :1], use_cache=False).logits
+        assert rel(fused, ref) < 1e-2 and rel(fused1, ref1) < 1e-2
+        assert fuse_projections(model) == 4
+        compiled = torch.compile(model.forward, fullgraph=True)
+        assert rel(compiled(input_ids=ids[:, :1], use_cache=False).logits, ref1) < 1e-2
+
+    monkeypatch.setenv("TURBOQUANT_FUSE", "0")
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg, device_map="cuda",
+                                                 dtype=torch.bfloat16)
+    assert getattr(plain.model.layers[0].self_attn.q_proj, "_tq_group", None) is None

@@ -88,6 +88,9 @@ class TurboQuantWeight(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in ("tq_packed", "tq_norms"):  # rows of a fused weight (`fusion`): their own copy
+            if prefix + name in destination:
+                destination[prefix + name] = own_storage(destination[prefix + name])
         if layout.is_runtime(self.tq_packed):  # checkpoints always get the published bytes
             destination[prefix + "tq_packed"] = self.published_packed()
         if self.awaiting_dtype is not None:
@@ -208,6 +211,14 @@ class TurboQuantWeight(nn.Module):
                 + (", rotation=hadamard" if self.rotation == "hadamard" else ""))
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it where it is part of a larger storage (a view into a fused weight), so that state
+    dicts never hand safetensors tensors that share memory."""
+    if t.device.type != "meta" and t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
 def to_norms_dtype(norms: torch.Tensor, dtype: torch.dtype, name: str = "norms") -> torch.Tensor:
     """Cast float32 norms for storage; a norm that float16 cannot hold is an error, never an Inf."""
     out = norms.to(dtype)
@@ -247,6 +258,11 @@ class TurboQuantLinear(nn.Module):
         return self.weight.group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = getattr(self, "_tq_group", None)  # fused with its siblings (`turboquant_hf.fusion`)
+        if group is not None:
+            if torch.compiler.is_compiling() or group.intact():
+                return group.output(self._tq_index, x)
+            group.dissolve()  # a member's tensors were replaced (moved, reloaded): each computes its own again
         w = self.weight
         if w.rotation == "hadamard":
             y = torch.ops.turboquant.hadamard_linear(
@@ -260,6 +276,11 @@ class TurboQuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if prefix + "bias" in destination and not keep_vars:
+            destination[prefix + "bias"] = own_storage(destination[prefix + "bias"])
 
     def extra_repr(self) -> str:
         return (

@@ -19,6 +19,7 @@ from . import codec
 from . import format as fmt
 from . import mlx
 from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
+from .fusion import fuse_projections
 from .modules import (
     TurboQuantExperts,
     TurboQuantWeight,
@@ -355,6 +356,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
                 module.use_runtime_layout_()
         self._restore_requested_dtype(model)
         self._dequantize_into_parameters(model)
+        if os.environ.get("TURBOQUANT_FUSE", "1") != "0":  # q/k/v and gate/up as one op each on a GPU
+            fuse_projections(model, device_type="cuda")
         _drop_expert_converters_for_saving(model)
         for p in model.parameters():
             p.requires_grad_(False)

@@ -1,0 +1,144 @@
+"""Sibling projections fused into one packed weight (`turboquant_hf.fusion`): same outputs, fewer ops, the
+same state dict and checkpoints, and a group that dissolves when a member's tensors are replaced."""
+
+import pytest
+import torch
+from torch.profiler import profile
+from transformers import AutoModelForCausalLM
+
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear
+from turboquant_hf.fusion import fuse_projections, unfuse_projections
+
+
+def _ops(model, ids) -> int:
+    """How many `turboquant::linear` ops one forward runs."""
+    with profile() as prof:
+        model(ids)
+    return sum(e.count for e in prof.key_averages() if e.key == "turboquant::linear")
+
+
+@pytest.fixture()
+def model(tiny_llama_dir):
+    m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(group_size=64),
+                                             dtype=torch.float32)
+    return m.eval()
+
+
+IDS = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def test_fused_model_gives_the_same_logits_with_fewer_ops(model):
+    with torch.no_grad():
+        ref = model(IDS).logits
+        assert _ops(model, IDS) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        assert fuse_projections(model) == 4  # q/k/v and gate/up in each layer
+        assert fuse_projections(model) == 0  # already fused
+        out = model(IDS).logits
+        assert _ops(model, IDS) == 8
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        # the members hold views of one storage per group: no extra memory
+        attn = model.model.layers[0].self_attn
+        ptr = attn.q_proj.weight.tq_packed.untyped_storage().data_ptr()
+        assert all(m.weight.tq_packed.untyped_storage().data_ptr() == ptr for m in (attn.k_proj, attn.v_proj))
+        # the state dict is unchanged, and none of its tensors shares memory with another
+        after = model.state_dict()
+        assert after.keys() == before.keys()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+        for k, v in after.items():
+            assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), k
+        # nothing is held between forwards
+        assert attn.q_proj._tq_group._x is None and attn.q_proj._tq_group._outs is None
+
+
+def test_fused_model_saves_and_reloads_the_same_checkpoint(model, tmp_path):
+    with torch.no_grad():
+        ref = model(IDS).logits
+        model.save_pretrained(tmp_path / "plain")
+        fuse_projections(model)
+        model.save_pretrained(tmp_path / "fused")
+        from safetensors.torch import load_file
+
+        a = load_file(str(tmp_path / "plain" / "model.safetensors"))
+        b = load_file(str(tmp_path / "fused" / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "fused", dtype=torch.float32).eval()
+        torch.testing.assert_close(again(IDS).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_siblings_called_with_other_inputs_or_out_of_order(model):
+    """A member called on its own (another input, another order) computes its own rows: results never depend on
+    what the siblings were called with."""
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = {n: getattr(attn, n)(t) for n, t in (("q_proj", x), ("k_proj", y), ("v_proj", x))}
+        fuse_projections(model)
+        got = {"v_proj": attn.v_proj(x), "k_proj": attn.k_proj(y), "q_proj": attn.q_proj(x)}
+        got2 = {"q_proj": attn.q_proj(x), "q_proj2": attn.q_proj(x)}
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got2["q_proj"], want["q_proj"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got2["q_proj2"], want["q_proj"], rtol=1e-5, atol=1e-5)
+
+
+def test_replaced_tensors_dissolve_the_group_and_loads_in_place_keep_it(model):
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        ref = model(IDS).logits
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        fuse_projections(model)
+        model.load_state_dict(sd)  # in-place copies into the views: the group stays and reads them
+        assert getattr(attn.q_proj, "_tq_group", None) is not None
+        torch.testing.assert_close(model(IDS).logits, ref, rtol=1e-5, atol=1e-5)
+        # another weight for k_proj, installed by replacing its tensors: the group must not use stale rows
+        w = attn.k_proj.weight
+        packed, norms = w.tq_packed.clone(), w.tq_norms.clone() * 2
+        w.load_packed_(packed, norms)
+        out = model(IDS).logits
+        assert getattr(attn.q_proj, "_tq_group", None) is None and getattr(attn.k_proj, "_tq_group", None) is None
+        assert not torch.allclose(out, ref)
+        unfuse_projections(model)
+        w.load_packed_(packed, norms / 2)
+        torch.testing.assert_close(model(IDS).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unfuse_gives_members_their_own_tensors(model):
+    with torch.no_grad():
+        ref = model(IDS).logits
+        fuse_projections(model)
+        assert unfuse_projections(model) == 4
+        attn = model.model.layers[0].self_attn
+        assert attn.q_proj.weight.tq_packed.untyped_storage().data_ptr() != \
+            attn.k_proj.weight.tq_packed.untyped_storage().data_ptr()
+        assert _ops(model, IDS) == 14
+        assert torch.equal(model(IDS).logits, ref)
+
+
+def test_from_pretrained_fuses_on_gpus_only(model):
+    """Loading onto the CPU leaves the members as they are (the hook fuses weights on CUDA devices only)."""
+    attn = model.model.layers[0].self_attn
+    assert getattr(attn.q_proj, "_tq_group", None) is None
+    assert fuse_projections(model, device_type="cuda") == 0
+    assert fuse_projections(model, device_type="cpu") == 4
+
+
+def test_only_alike_quantized_siblings_fuse(tiny_llama_dir):
+    m = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, quantization_config=TurboQuantConfig(group_size=64, modules_to_not_convert=["k_proj"]),
+        dtype=torch.float32)
+    attn = m.model.layers[0].self_attn
+    assert not isinstance(attn.k_proj, TurboQuantLinear) and isinstance(attn.q_proj, TurboQuantLinear)
+    assert fuse_projections(m) == 2  # gate/up only
+    assert getattr(attn.q_proj, "_tq_group", None) is None
+
+
+def test_fused_model_compiles_fullgraph(model):
+    with torch.no_grad():
+        ref = model(IDS).logits
+        fuse_projections(model)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        out = compiled(IDS).logits
+        assert _ops(compiled, IDS) == 8
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
