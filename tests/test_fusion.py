@@ -74,9 +74,17 @@ def test_siblings_called_with_other_inputs_or_out_of_order(model):
     y = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = {n: getattr(attn, n)(t) for n, t in (("q_proj", x), ("k_proj", y), ("v_proj", x))}
+        want_k_x = attn.k_proj(x)
         fuse_projections(model)
-        got = {"v_proj": attn.v_proj(x), "k_proj": attn.k_proj(y), "q_proj": attn.q_proj(x)}
+        # the same input twice, then the others: the group serves them
         got2 = {"q_proj": attn.q_proj(x), "q_proj2": attn.q_proj(x)}
+        torch.testing.assert_close(attn.k_proj(x), want_k_x, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attn.v_proj(x), want["v_proj"], rtol=1e-5, atol=1e-5)
+        assert getattr(attn.q_proj, "_tq_group", None) is not None
+        # siblings that read different inputs (k from y while q and k of x are pending): the group dissolves
+        got = {"v_proj": attn.v_proj(x), "k_proj": attn.k_proj(y), "q_proj": attn.q_proj(x)}
+        assert all(getattr(getattr(attn, n), "_tq_group", None) is None for n in want)
+        assert getattr(model.model.layers[1].self_attn.q_proj, "_tq_group", None) is not None  # others stay
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got2["q_proj"], want["q_proj"], rtol=1e-5, atol=1e-5)

@@ -3,8 +3,9 @@
 At batch-1 decode each projection is a short GEMV, and q/k/v (or gate/up) each rotate the same activations
 and launch their own kernel. `fuse_projections(model)` stacks the rows of such siblings into one packed weight
 per group, and the siblings' own buffers become views of it (no extra memory). The first sibling called with
-an input computes every sibling's output in one op (one rotation, one GEMV) and the others take theirs; a
-sibling called with another input, or after its buffers were replaced, computes its own rows alone, so the
+an input computes every sibling's output in one op (one rotation, one GEMV) and the others take theirs. A
+sibling called with another input while outputs are pending (siblings that read different inputs, as in
+cross-attention), or after its buffers were replaced, dissolves the group and computes its own rows, so the
 results never depend on the call order. `state_dict()` and `save_pretrained` are unchanged (each module
 still writes its own tensors, never views of the fused ones), and `unfuse_projections` undoes it.
 
@@ -67,10 +68,16 @@ class FusedProjections:
         """Whether every member still holds the views made at fusion (nothing replaced its tensors since)."""
         return all(a is b for m, v in zip(self.members, self.views) for a, b in zip(_buffers(m), v))
 
-    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s output for input `x`: taken from the outputs the group computed for `x` when a
-        sibling asked first, else computed for every member now."""
-        if self._x is not x or self._outs is None or self._outs[index] is None:
+        sibling asked first, else computed for every member now. None where siblings turn out to read different
+        inputs (outputs of another input still pending, as in cross-attention): the group dissolves (outside
+        compiled code) and the member computes its own rows."""
+        if self._outs is not None and self._x is not x:
+            if not torch.compiler.is_compiling():
+                self.dissolve()
+            return None
+        if self._outs is None or self._outs[index] is None:
             codebook, s1, s2 = format_constants(self.n_levels, self.group_size, self.packed.device, self.runtime)
             y = torch.ops.turboquant.linear(x, self.packed, self.norms, codebook, s1, s2, self.group_size,
                                             self.in_features)

@@ -261,8 +261,11 @@ class TurboQuantLinear(nn.Module):
         group = getattr(self, "_tq_group", None)  # fused with its siblings (`turboquant_hf.fusion`)
         if group is not None:
             if torch.compiler.is_compiling() or group.intact():
-                return group.output(self._tq_index, x)
-            group.dissolve()  # a member's tensors were replaced (moved, reloaded): each computes its own again
+                y = group.output(self._tq_index, x)
+                if y is not None:
+                    return y
+            else:
+                group.dissolve()  # a member's tensors were replaced (moved, reloaded): each computes its own again
         w = self.weight
         if w.rotation == "hadamard":
             y = torch.ops.turboquant.hadamard_linear(
