@@ -6,7 +6,7 @@ import torch
 from torch.profiler import profile
 from transformers import AutoModelForCausalLM
 
-from turboquant_hf import TurboQuantConfig, TurboQuantLinear
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear, quantize_weight
 from turboquant_hf.fusion import fuse_projections, unfuse_projections
 
 
@@ -138,8 +138,32 @@ def test_only_alike_quantized_siblings_fuse(tiny_llama_dir):
         dtype=torch.float32)
     attn = m.model.layers[0].self_attn
     assert not isinstance(attn.k_proj, TurboQuantLinear) and isinstance(attn.q_proj, TurboQuantLinear)
-    assert fuse_projections(m) == 2  # gate/up only
-    assert getattr(attn.q_proj, "_tq_group", None) is None
+    ids = IDS
+    with torch.no_grad():
+        ref = m(ids).logits
+        assert fuse_projections(m) == 4  # q with v (k stays a plain Linear), and gate/up
+        assert attn.q_proj._tq_group is attn.v_proj._tq_group and attn.q_proj._tq_group.splits == [128, 64]
+        torch.testing.assert_close(m(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_siblings_of_other_bit_widths_fuse_apart(tiny_llama_dir):
+    """Four-bit v_proj among 3-bit q and k (a recipe): q and k fuse, v runs alone."""
+    from turboquant_hf.fusion import FusedProjections
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(group_size=64),
+                                             dtype=torch.float32).eval()
+    attn = m.model.layers[0].self_attn
+    v = TurboQuantLinear(128, 64, bias=False, bits=4, group_size=64)
+    with torch.no_grad():
+        v.weight.load_packed_(*quantize_weight(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.05,
+                                               4, 64))
+    attn.v_proj = v
+    with torch.no_grad():
+        ref = m(IDS).logits
+        assert fuse_projections(m) == 4
+        assert isinstance(attn.q_proj._tq_group, FusedProjections) and attn.q_proj._tq_group.splits == [128, 64]
+        assert getattr(attn.v_proj, "_tq_group", None) is None
+        torch.testing.assert_close(m(IDS).logits, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_model_compiles_fullgraph(model):
@@ -150,3 +174,30 @@ def test_fused_model_compiles_fullgraph(model):
         out = compiled(IDS).logits
         assert _ops(compiled, IDS) == 8
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_hybrid_moe_model_fuses_its_gated_delta_net_projections(tmp_path):
+    """Qwen3.5/3.6-style hybrid MoE: the gated-delta-net input projections (qkv, z, b, a), the attention layer's
+    q/k/v and the shared expert's gate/up each become one op; same logits."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    text = Qwen3_5MoeTextConfig(
+        vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=8,
+        num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=48, linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256,
+        tie_word_embeddings=False)
+    Qwen3_5MoeForCausalLM(text).save_pretrained(tmp_path)
+    m = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TurboQuantConfig(group_size=64),
+                                             dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = m(IDS).logits
+        n_before = _ops(m, IDS)
+        # 3 linear-attention layers (qkv/z/b/a), 1 attention layer (q/k/v), 4 shared experts (gate/up)
+        assert fuse_projections(m) == 8
+        la = m.model.layers[0].linear_attn
+        assert la.in_proj_qkv._tq_group is la.in_proj_a._tq_group
+        assert la.in_proj_qkv._tq_group.splits == [2 * 2 * 32 + 4 * 48, 4 * 48, 4, 4]
+        torch.testing.assert_close(m(IDS).logits, ref, rtol=1e-5, atol=1e-5)
+        assert _ops(m, IDS) == n_before - 3 * 3 - 2 - 4

@@ -20,8 +20,10 @@ from torch import nn
 
 from .modules import TurboQuantLinear, format_constants
 
-# child names of one parent that read the same input, in output order
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+# child names of one parent that read the same input, in output order: attention, gated MLPs (Llama-style,
+# Mixtral's experts-as-modules), and the gated-delta-net input projections (Qwen3.5 / Qwen3.6, Qwen3-Next)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"),
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("in_proj_qkvz", "in_proj_ba"))
 
 
 def _signature(m: TurboQuantLinear) -> tuple:
@@ -102,31 +104,32 @@ class FusedProjections:
 
 
 def fuse_projections(model: nn.Module, siblings=SIBLINGS, device_type: str | None = None) -> int:
-    """Fuse every set of sibling projections named in `siblings` (children of one module, e.g. an attention
-    block's q_proj, k_proj and v_proj) that are `TurboQuantLinear`s alike in bits, group size, input width,
-    device, layout and bias (and, with `device_type`, on a device of that type). Returns the number of groups
-    fused. Call it after the weights are loaded and the model is on its device (`from_pretrained` does, for
+    """Fuse sibling projections named in `siblings` (children of one module, e.g. an attention block's q_proj,
+    k_proj and v_proj): those of a set that are `TurboQuantLinear`s alike in bits, group size, input width,
+    device, layout and bias (and, with `device_type`, on a device of that type), two or more, become one group;
+    the rest of the set stays as it is. Returns the number of groups fused. Call it after the weights are loaded and the model is on its device (`from_pretrained` does, for
     weights on a CUDA device, unless `TURBOQUANT_FUSE=0`); moving the model or replacing a member's tensors
     dissolves its group, and the next forward runs the members one by one. Loading weights in place (a state
     dict into the loaded model) keeps it."""
     count = 0
     for parent in model.modules():
         for names in siblings:
-            members = [getattr(parent, n, None) for n in names]
-            if not all(isinstance(m, TurboQuantLinear) for m in members):
-                continue
-            if any("_tq_group" in m.__dict__ for m in members):
-                continue
-            if len({_signature(m) for m in members}) != 1 or members[0].weight.rotation != "groups":
-                continue
-            kind = members[0].weight.tq_packed.device.type
-            if kind == "meta" or (device_type is not None and kind != device_type):
-                continue
-            group = FusedProjections(members)
-            for i, m in enumerate(members):
-                m.__dict__["_tq_group"] = group
-                m.__dict__["_tq_index"] = i
-            count += 1
+            alike: dict[tuple, list[TurboQuantLinear]] = {}  # the members that can share one weight, in order
+            for n in names:
+                m = getattr(parent, n, None)
+                if (isinstance(m, TurboQuantLinear) and "_tq_group" not in m.__dict__
+                        and m.weight.rotation == "groups"):
+                    kind = m.weight.tq_packed.device.type
+                    if kind != "meta" and (device_type is None or kind == device_type):
+                        alike.setdefault(_signature(m), []).append(m)
+            for members in alike.values():
+                if len(members) < 2:
+                    continue
+                group = FusedProjections(members)
+                for i, m in enumerate(members):
+                    m.__dict__["_tq_group"] = group
+                    m.__dict__["_tq_index"] = i
+                count += 1
     return count
 
 
