@@ -1943,8 +1943,8 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     registers (255 a thread at 2 warps of 4 blocks, 12.5 % occupancy under ncu), takes 4 warps: of 4 blocks
     and 16 rows below 4096 rows, of 2 and 32 rows below 8192, else of 1 and 32 rows (GEMV alone at M = 16,
     H200: 4096x14336 34.7 -> 21.8 us, 8192x28672 106.9 -> 71.0, 512->2048 3.1 -> 2.5). S is halved (blocks
-    first, then warps) while it exceeds the row's blocks. Prefetch 1 (the next step's words a step ahead) for rows of at least 16 blocks,
-    else 2 (its activations and norms too). From a sweep on an H200 under Triton 3.6 (3-bit, G = 128, M = 8 and
+    first, then warps) while it exceeds the row's blocks. Prefetch 1 (the next step's words a step ahead) for
+    rows of at least 16 blocks, else 2 (its activations and norms too). From a sweep on an H200 under Triton 3.6 (3-bit, G = 128, M = 8 and
     16, the benchmark shapes, 16 configurations), after the tiles were arranged for that release: at M = 16
     these were the fastest or within 4 % of it at every shape, and 1.35-1.9x faster than one block per warp and
     step (the previous choice; 1.4-2.0x at M = 8 where measured); rows of 64 over 2 warps came close on the

@@ -88,11 +88,11 @@ class TurboQuantWeight(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if layout.is_runtime(self.tq_packed):  # checkpoints always get the published bytes (a new tensor)
+            destination[prefix + "tq_packed"] = self.published_packed()
         for name in ("tq_packed", "tq_norms"):  # rows of a fused weight (`fusion`): their own copy
             if prefix + name in destination:
                 destination[prefix + name] = own_storage(destination[prefix + name])
-        if layout.is_runtime(self.tq_packed):  # checkpoints always get the published bytes
-            destination[prefix + "tq_packed"] = self.published_packed()
         if self.awaiting_dtype is not None:
             destination[prefix[:-1]] = torch.empty(self.source_shape, dtype=self.awaiting_dtype, device="meta")
 
