@@ -204,3 +204,51 @@ def test_fused_projections_on_gpu_match_unfused(tiny_llama_dir, bits, monkeypatc
     plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg, device_map="cuda",
                                                  dtype=torch.bfloat16)
     assert getattr(plain.model.layers[0].self_attn.q_proj, "_tq_group", None) is None
+
+
+@pytest.mark.parametrize("bits", [3, 4, 1.58])
+def test_hybrid_moe_model_fused_at_load_on_gpu_matches_unfused(bits, tmp_path):
+    """A Qwen3.5/3.6-style hybrid MoE model loaded onto the GPU: the gated-delta-net input projections, the
+    attention q/k/v and the shared experts' gate/up are fused by `from_pretrained`; the logits at prefill and at
+    one token equal the unfused model's, eager and compiled; siblings fed different inputs on the GPU dissolve
+    their group and still give their own rows."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from turboquant_hf.fusion import unfuse_projections
+
+    torch.manual_seed(0)
+    text = Qwen3_5MoeTextConfig(
+        vocab_size=256, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, moe_intermediate_size=128, shared_expert_intermediate_size=192, num_experts=8,
+        num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=48, linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256,
+        tie_word_embeddings=False)
+    Qwen3_5MoeForCausalLM(text).to(torch.bfloat16).save_pretrained(tmp_path)
+    cfg = TurboQuantConfig(bits=bits, group_size=64)
+    m = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg, device_map="cuda",
+                                             dtype=torch.bfloat16).eval()
+    la = m.model.layers[0].linear_attn
+    group = getattr(la.in_proj_qkv, "_tq_group", None)
+    assert group is not None and group is la.in_proj_a._tq_group and len(group.members) == 4
+    assert getattr(m.model.layers[3].self_attn.q_proj, "_tq_group", None) is not None
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(2)).cuda()
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    with torch.no_grad():
+        fused = m(input_ids=ids, use_cache=False).logits
+        fused1 = m(input_ids=ids[:, :1], use_cache=False).logits
+        compiled1 = torch.compile(m.forward, fullgraph=True)(input_ids=ids[:, :1], use_cache=False).logits
+        x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+        got = {"qkv": la.in_proj_qkv(x), "z": la.in_proj_z(y), "b": la.in_proj_b(x), "a": la.in_proj_a(y)}
+        assert getattr(la.in_proj_qkv, "_tq_group", None) is None  # dissolved: siblings read other inputs
+        assert unfuse_projections(m) == 7  # 3 gated-delta-net sets, q/k/v, 4 shared experts' gate/up, less the dissolved one
+        ref = m(input_ids=ids, use_cache=False).logits
+        ref1 = m(input_ids=ids[:, :1], use_cache=False).logits
+        want = {"qkv": la.in_proj_qkv(x), "z": la.in_proj_z(y), "b": la.in_proj_b(x), "a": la.in_proj_a(y)}
+    assert rel(fused, ref) < 1e-2 and rel(fused1, ref1) < 1e-2 and rel(compiled1, ref1) < 2e-2
+    assert rel(got["qkv"], want["qkv"]) < 1e-2  # from the fused op (other rows, maybe another kernel config)
+    for k in ("z", "b", "a"):  # computed alone after the group dissolved
+        assert torch.equal(got[k], want[k]), k
