@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .modules import TurboQuantLinear, format_constants
+from .modules import TurboQuantLinear, group_linear
 
 # child names of one parent that read the same input, in output order: attention, gated MLPs (Llama-style,
 # Mixtral's experts-as-modules), and the gated-delta-net input projections (Qwen3.5 / Qwen3.6, Qwen3-Next)
@@ -80,11 +80,8 @@ class FusedProjections:
                 self.dissolve()
             return None
         if self._outs is None or self._outs[index] is None:
-            codebook, s1, s2 = format_constants(self.n_levels, self.group_size, self.packed.device, self.runtime)
-            y = torch.ops.turboquant.linear(x, self.packed, self.norms, codebook, s1, s2, self.group_size,
-                                            self.in_features)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
+            y = group_linear(x, self.packed, self.norms, self.bias, self.n_levels, self.group_size, self.in_features,
+                             self.runtime)
             self._outs = list(torch.split(y, self.splits, dim=-1))
             self._x = x
             self._left = len(self.members)

@@ -37,6 +37,15 @@ def format_constants(n_levels: int, group_size: int, device,
     return _CONSTANTS[key]
 
 
+def group_linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, bias: torch.Tensor | None,
+                 n_levels: int, group_size: int, in_features: int, runtime: bool) -> torch.Tensor:
+    """`x` times a group-rotated packed weight (`torch.ops.turboquant.linear` with the format's constants), plus
+    `bias`: the product of a `TurboQuantLinear` and of fused sibling projections (`turboquant_hf.fusion`)."""
+    codebook, s1, s2 = format_constants(n_levels, group_size, packed.device, runtime)
+    y = torch.ops.turboquant.linear(x, packed, norms, codebook, s1, s2, group_size, in_features)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
 ROTATIONS = ("groups", "hadamard")
 
 
@@ -272,13 +281,8 @@ class TurboQuantLinear(nn.Module):
                 x, w.tq_packed, w.tq_norms, w.kernel_codebook(), w.tq_signs, w.group_size, self.in_features
             )
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        codebook, s1, s2 = format_constants(w.n_levels, w.group_size, w.tq_packed.device, w.runtime_layout)
-        y = torch.ops.turboquant.linear(
-            x, w.tq_packed, w.tq_norms, codebook, s1, s2, w.group_size, self.in_features
-        )
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        return group_linear(x, w.tq_packed, w.tq_norms, self.bias, w.n_levels, w.group_size, self.in_features,
+                            w.runtime_layout)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
