@@ -471,7 +471,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     bc = min(g, 64 if exact16 else 32)
     grid = (triton.cdiv(m, bm), ng, g // bc)
     hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
-    pdl = _pdl(x2.device, ng * g)
+    pdl = _pdl(x2.device, ng * g, {32: 8, 8: 16}.get(unit, 0))  # (the pair GEMV's codebook size)
     _rotate_kernel[grid](x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
                          1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
                          NUT=(ng * g) // unit if unit else 0, PDL=pdl, num_warps=4)
@@ -1617,23 +1617,31 @@ def pack_pairs(x_rot: torch.Tensor, unit: int, group_size: int) -> tuple[torch.T
 
 
 def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
-    """(BN, num_warps[, maxnreg]) of the pair GEMV from the weight shape (rows n, units per row nut) and the
-    codebook size, from a sweep on an H200 (whole op at M = 1, the benchmark shapes, every bit width; us in
-    benchmarks/RESULTS.md): few rows want 8 warps and a cap of 64 registers (occupancy) unless the rows are
-    short; long 3-bit rows (14336 inputs) 2 warps and a cap of 128 (17.7 us; 24.0 uncapped, 26.4 with 8
-    warps); many 3-bit rows 8 warps and 64 registers; the rest 4 warps and a cap of 96 (4-bit: 2 warps for many
-    rows, 16 rows a program for rows of 2048). Programs of 2 or 4 activation rows run uncapped (as measured)."""
+    """(BN, num_warps[, maxnreg[, prefetch]]) of the pair GEMV from the weight shape (rows n, units per row nut)
+    and the codebook size, from whole-op sweeps on an H200 (rotation + GEMV as CUDA-graph replays at M = 1, the
+    benchmark shapes and the fused projections' shapes; benchmarks/RESULTS.md). 3-bit: rows of 14336 inputs 4
+    rows of 2 warps (more programs: 13.8 us against 15.5 with 8 rows), 8192 inputs 8 rows of 2 warps, 2048 inputs
+    8 rows of 2 warps loading each step's words a step ahead (what a program loads first overlaps the
+    rotation), 4096 inputs 8 rows of 4 warps (ahead as well for rows of 4096 outputs); 4-bit: 8 rows of 4 warps
+    and a cap of 96 registers from 4096 inputs up (14336 -> 4096: 17.5 against 23.9 us uncapped), 16 rows below.
+    Programs of 2 or 4 activation rows run uncapped (as measured)."""
     k = nut * lut_unit(n_levels)
     if n <= 2048:
+        if n_levels in (8, 16) and k <= 512:
+            return 8, 2, 128, 1
+        if n_levels == 8 and k <= 2048:
+            return 4, 4, 96, 1
         return (8, 4, 96) if k <= 512 else (4, 8, 64)
     if n_levels == 16:
-        if k <= 2048:
-            return 16, 4
-        return (8, 2) if n >= 16384 else (8, 4)
+        return (16, 4) if k <= 2048 else (8, 4, 96)
     if n_levels == 8:
         if k > 8192:
+            return 4, 2, 128
+        if k > 4096:
             return 8, 2, 128
-        return (8, 8, 64) if n >= 16384 else (8, 4, 96)
+        if k <= 2048:
+            return 8, 2, 128, 1
+        return (8, 4, 96, 1) if n <= 4096 else (8, 4, 96)
     return 8, 4, 96
 
 
@@ -1662,7 +1670,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     if bm > 1 and config is None:
         cap = 0  # (more accumulators: no register cap)
     opts = {"maxnreg": cap} if cap else {}
-    pdl = _pdl(x2.device, 2 * x2.shape[1])
+    pdl = _pdl(x2.device, 2 * x2.shape[1], n_levels)
     if pdl:
         opts["launch_pdl"] = True
     bu = bu or min(32 * warps, triton.next_power_of_2(nut))
@@ -2233,14 +2241,16 @@ def _sm_count(device: torch.device) -> int:
 # rotation plus the GEMV at M = 1 and 80 us at M = 2 (the GEMV's first wave, placed while the rotation still
 # holds SMs, ends unevenly).
 PDL_MAX_K = 4096
+PDL_MAX_K_PAIRS = 16384  # (3- and 4-bit pair GEMVs: measured faster with it up to rows of 14336)
 
 
-def _pdl(device: torch.device, k: int = 0) -> bool:
+def _pdl(device: torch.device, k: int = 0, n_levels: int = 0) -> bool:
     """Whether the rotation and the pair GEMV after it use programmatic dependent launch on `device` for rows of
     `k` rotated inputs: the GEMV's launch and prologue overlap the rotation's run (CUDA, compute capability
-    >= 9.0, a Triton with the intrinsics, not the interpreter, k <= PDL_MAX_K; `TURBOQUANT_PDL=0` turns it
-    off)."""
-    if device.type != "cuda" or not _HAS_GDC or k > PDL_MAX_K or _interpreting():
+    >= 9.0, a Triton with the intrinsics, not the interpreter, k <= PDL_MAX_K, or PDL_MAX_K_PAIRS for the pair
+    GEMV of an 8- or 16-entry codebook; `TURBOQUANT_PDL=0` turns it off)."""
+    limit = PDL_MAX_K_PAIRS if n_levels in (8, 16) else PDL_MAX_K
+    if device.type != "cuda" or not _HAS_GDC or k > limit or _interpreting():
         return False
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _PDL_DEVICES:

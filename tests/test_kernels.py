@@ -640,7 +640,8 @@ def _cuda_check(bits) -> int:
     tol = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
     # (rows, in_features): in not a multiple of G, rows not a multiple of any block
     for g in fmt.GROUP_SIZES:
-        shapes = [(200, 330), (1000, 1056)] + ([(4096, 512)] if g == 128 else [])
+        # (and, G = 128, long rows: 8400 inputs take the pair GEMV's 4-row programs and the early launch)
+        shapes = [(200, 330), (1000, 1056)] + ([(4096, 512), (2102, 8400)] if g == 128 else [])
         for n, k in shapes:
             packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=n + k + g)
             pk_d, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (packed, norms, cb, s1, s2))
@@ -699,7 +700,8 @@ def _cuda_check(bits) -> int:
             if m <= 4:
                 x2, xs = KL.rotate(x.to(dev), s1_d, s2_d, g, torch.bfloat16, unit=KL.lut_unit(nl))
                 runs = [(cfg, KL.gemv_pairs(x2, xs, pk, nr_d, cb_d, g, torch.bfloat16, config=cfg))
-                        for cfg in ((8, 4, 0, 1), (8, 2, 128, 1), (8, 4, 0, 1, 64), (16, 4, 0, 0, 64))]
+                        for cfg in ((8, 4, 0, 1), (8, 2, 128, 1), (8, 4, 0, 1, 64), (16, 4, 0, 0, 64),
+                                    (4, 2, 128), (4, 4, 96, 1))]
             else:
                 x_rot = KL.rotate(x.to(dev), s1_d, s2_d, g, torch.bfloat16)
                 runs = [(cfg, KL.gemv_dot(x_rot, pk, nr_d, cb_d, g, torch.bfloat16, config=cfg))
