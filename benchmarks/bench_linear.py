@@ -5,6 +5,7 @@ and against the Triton kernels of turboquant-plus-vllm (package `turboquant_vllm
     python benchmarks/bench_linear.py --md out.md      # ... also written as markdown
     python benchmarks/bench_linear.py --no-peer        # without the turboquant-plus-vllm columns
     python benchmarks/bench_linear.py --sweep          # kernel configurations per shape (for tuning)
+    python benchmarks/bench_linear.py --sweep-whole    # pair GEMV configurations timed on the whole op (M = 1)
 
 Method (see docs/performance.md): both sides run in the same process on the
 same shapes; random normal weights, quantized with `codec.quantize_weight`;
@@ -58,6 +59,14 @@ SHAPES = [
     ("2048->1024 (expert)", 2048, 1024),
     ("2048x8192", 2048, 8192),
     ("512->2048 (expert down)", 512, 2048),
+]
+# what `turboquant_hf.fusion` makes of sibling projections at load (for --sweep-pairs --fused): Llama-3.1-8B's
+# q/k/v and gate/up, Qwen3.6-35B-A3B's gated-delta-net in_proj_qkv/z/b/a and attention q/k/v
+FUSED_SHAPES = [
+    ("4096->6144 (q/k/v fused)", 4096, 6144),
+    ("4096->28672 (gate/up fused)", 4096, 28672),
+    ("2048->12352 (in_proj fused)", 2048, 12352),
+    ("2048->9216 (q/k/v fused)", 2048, 9216),
 ]
 L2_BYTES = 60 << 20
 DEV = "cuda"
@@ -372,7 +381,8 @@ DOT_SWEEP = [(64, 4, 1, 0), (64, 4, 1, 0x01010101), (64, 4, 1, 0x11111111), (32,
 
 # pair GEMV configurations tried by --sweep-pairs: (BN, warps[, maxnreg]) at M = 1
 PAIR_SWEEP = [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (4, 8), (8, 8, 64), (8, 4, 96), (16, 4, 96), (4, 8, 64),
-              (4, 4, 64)]
+              (4, 4, 64), (2, 4), (2, 8), (2, 2), (4, 2), (2, 4, 96), (4, 2, 128), (8, 2, 128), (8, 4, 96, 1),
+              (4, 4, 96, 1), (8, 8, 64, 1), (2, 8, 64)]
 PAIRS_ONLY = False
 
 
@@ -446,6 +456,59 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
     return rows
 
 
+# pair GEMV configurations timed on the whole op (--sweep-whole), per codebook size; None: the default
+WHOLE_SWEEP = {8: [None, (8, 4, 96), (8, 2, 128), (4, 2, 128), (8, 4, 96, 1), (4, 2, 128, 1), (8, 2, 128, 1), (16, 8),
+                   (4, 4, 96, 1)],
+               16: [None, (8, 4), (8, 2), (16, 4), (8, 4, 96), (8, 2, 128), (4, 4, 64), (8, 4, 96, 1), (8, 2, 128, 1),
+                    (4, 2, 128)]}
+
+
+def sweep_whole(case: Case, label: str, reps: int = 2) -> list[dict]:
+    """The whole op at M = 1 (rotation + pair GEMV, graph replays) with each configuration of WHOLE_SWEEP in
+    place of the default, and, for rows over `PDL_MAX_K` inputs, with the early launch on and off; every
+    configuration timed `reps` times in turn (the spread between the passes is the noise to read the differences
+    against). Each output is checked against the reference first."""
+    k, g = case.k, case.g
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    ref = case.reference(x)
+    qbufs, bbufs = case.buffers(1)
+    t_b, _ = time_calls([(lambda w=w: F.linear(x, w)) for w in bbufs], True)
+    del bbufs
+    cb = case.cb_ours
+    default, limits = L._pair_config, (L.PDL_MAX_K, L.PDL_MAX_K_PAIRS)
+    times: dict = {}
+    try:
+        for _ in range(reps):
+            for long_pdl in ((False, True) if k > L.PDL_MAX_K else (False,)):
+                for cfg in WHOLE_SWEEP.get(case.cb_ours.numel(), [None]):
+                    L.PDL_MAX_K_PAIRS = 1 << 30 if long_pdl else L.PDL_MAX_K
+                    L._pair_config = default if cfg is None else (lambda *a, cfg=cfg: cfg)
+
+                    def fn(p, nr):
+                        return torch.ops.turboquant.linear(x, p, nr, cb, case.s1, case.s2, g, k)
+
+                    key = (str(cfg), long_pdl)
+                    if rel_err(fn(*qbufs[0]), ref) >= 1e-2:
+                        times.setdefault(key, []).append(float("nan"))
+                        continue
+                    t, _ = time_calls([(lambda p=p, nr=nr: fn(p, nr)) for p, nr in qbufs], True)
+                    times.setdefault(key, []).append(t)
+    finally:
+        L._pair_config = default
+        L.PDL_MAX_K, L.PDL_MAX_K_PAIRS = limits
+    rows = [dict(shape=label, bits=str(case.bits), M=1, variant="bf16 F.linear", us=t_b)]
+    nut = case.norms.shape[1] * g // L.lut_unit(cb.numel())
+    for (cfg, long_pdl), ts in times.items():
+        name = f"whole op, pair {cfg if cfg != 'None' else 'default ' + str(default(case.n, nut, cb.numel()))}"
+        name += ", early launch" if long_pdl else ""
+        t = statistics.median(ts)
+        rows.append(dict(shape=label, bits=str(case.bits), M=1, variant=name, us=t,
+                         passes=" ".join(f"{v:.2f}" for v in ts), ratio=t_b / t, gbps=case.qbytes / t / 1e3))
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def environment(peer: bool = True) -> dict:
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, python=platform.python_version(),
@@ -512,20 +575,34 @@ def main() -> int:
     ap.add_argument("--md", help="write the table as markdown here")
     ap.add_argument("--json", help="write raw rows as JSON here")
     ap.add_argument("--shapes", help="comma-separated shape indices (default: all)")
+    ap.add_argument("--sweep-whole", action="store_true",
+                    help="time pair GEMV configurations on the whole op (M = 1, 3- and 4-bit unless --bits)")
+    ap.add_argument("--fused", action="store_true", help="with --sweep-pairs / --sweep-whole: the fused projections' shapes too")
+    ap.add_argument("--bits", help="with --sweep-pairs / --sweep-whole: the bit widths (default 3,2,4,1.58 / 3,4)")
     ap.add_argument("--ms", default="1,16,2048")
     ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    run_peer = not (args.no_peer or args.sweep or args.sweep_pairs)
+    run_peer = not (args.no_peer or args.sweep or args.sweep_pairs or args.sweep_whole)
     env = environment(run_peer)
     print(json.dumps(env), flush=True)
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
-    if args.sweep_pairs:
+    if args.sweep_whole:
+        args.sweep = True
+        for bits in [fmt.TERNARY if b == "1.58" else int(b) for b in (args.bits or "3,4").split(",")]:
+            for label, k, n in shapes + (FUSED_SHAPES if args.fused else []):
+                case = Case(k, n, bits)
+                rows += sweep_whole(case, label)
+                del case
+                torch.cuda.empty_cache()
+    elif args.sweep_pairs:
         global PAIRS_ONLY
         PAIRS_ONLY = True
         args.sweep = True
-        for bits in (3, 2, 4, fmt.TERNARY):
+        if args.fused:
+            shapes = FUSED_SHAPES if not args.shapes else [FUSED_SHAPES[int(i)] for i in args.shapes.split(",")]
+        for bits in [fmt.TERNARY if b == "1.58" else int(b) for b in (args.bits or "3,2,4,1.58").split(",")]:
             for label, k, n in shapes:
                 case = Case(k, n, bits)
                 rows += sweep_case(case, label, ms=(1,))
@@ -574,7 +651,7 @@ def main() -> int:
         for r in rows:
             print(f"{r['shape']} | {r['bits']} | {r['M']} | {r['variant']} | {r['us']:.2f} | "
                   f"{r.get('ratio', float('nan')):.2f} | {r.get('gbps', float('nan')):.0f}"
-                  + (f" | {r['error']}" if "error" in r else ""))
+                  + (f" | {r['error']}" if "error" in r else "") + (f" | passes {r['passes']}" if "passes" in r else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows), f, indent=1)
