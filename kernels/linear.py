@@ -471,7 +471,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     bc = min(g, 64 if exact16 else 32)
     grid = (triton.cdiv(m, bm), ng, g // bc)
     hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
-    pdl = _pdl(x2.device, ng * g, {32: 8, 8: 16}.get(unit, 0))  # (the pair GEMV's codebook size)
+    pdl = _pdl(x2.device, ng * g, {32: 8, 8: 16}.get(unit, 0) if m == 1 else 0)  # (the pair GEMV's codebook size)
     _rotate_kernel[grid](x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
                          1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
                          NUT=(ng * g) // unit if unit else 0, PDL=pdl, num_warps=4)
@@ -1670,7 +1670,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     if bm > 1 and config is None:
         cap = 0  # (more accumulators: no register cap)
     opts = {"maxnreg": cap} if cap else {}
-    pdl = _pdl(x2.device, 2 * x2.shape[1], n_levels)
+    pdl = _pdl(x2.device, 2 * x2.shape[1], n_levels if m == 1 and not experts else 0)
     if pdl:
         opts["launch_pdl"] = True
     bu = bu or min(32 * warps, triton.next_power_of_2(nut))
@@ -2239,9 +2239,12 @@ def _sm_count(device: torch.device) -> int:
 # H200 (3-bit, CUDA graphs): rows of 4096 gain 0.6 us a call at M = 1 (4096x4096 8.3 -> 7.7 us, 4096->1024
 # 5.1 -> 4.5); rows of 14336 and 28672 lose 2 and 6 us, and rows of 8192 (8192->28672) ran 15 us over the
 # rotation plus the GEMV at M = 1 and 80 us at M = 2 (the GEMV's first wave, placed while the rotation still
-# holds SMs, ends unevenly).
+# holds SMs, ends unevenly). Those were the kernels of the time; the 3- and 4-bit pair GEMV of one activation row,
+# in its current configurations (`_pair_config`), gains with it on rows up to 14336 (3-bit 14336->4096 14.6 ->
+# 13.8 us, 8192->28672 37.2 -> 36.6; 4-bit 14336->4096 17.9 -> 17.5): PDL_MAX_K_PAIRS applies there, at M = 1 only
+# (M = 2 was not measured again).
 PDL_MAX_K = 4096
-PDL_MAX_K_PAIRS = 16384  # (3- and 4-bit pair GEMVs: measured faster with it up to rows of 14336)
+PDL_MAX_K_PAIRS = 16384
 
 
 def _pdl(device: torch.device, k: int = 0, n_levels: int = 0) -> bool:
@@ -2249,7 +2252,7 @@ def _pdl(device: torch.device, k: int = 0, n_levels: int = 0) -> bool:
     `k` rotated inputs: the GEMV's launch and prologue overlap the rotation's run (CUDA, compute capability
     >= 9.0, a Triton with the intrinsics, not the interpreter, k <= PDL_MAX_K, or PDL_MAX_K_PAIRS for the pair
     GEMV of an 8- or 16-entry codebook; `TURBOQUANT_PDL=0` turns it off)."""
-    limit = PDL_MAX_K_PAIRS if n_levels in (8, 16) else PDL_MAX_K
+    limit = PDL_MAX_K_PAIRS if n_levels in (8, 16) else PDL_MAX_K  # (callers pass n_levels for M = 1 only)
     if device.type != "cuda" or not _HAS_GDC or k > limit or _interpreting():
         return False
     key = device.index if device.index is not None else torch.cuda.current_device()
