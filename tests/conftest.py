@@ -51,6 +51,21 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kw)
 
 
+def tiny_qwen3_5_moe_config(**overrides):
+    """A small Qwen3.5/3.6-style hybrid MoE text config: three gated-delta-net layers, then one attention layer."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    kw = dict(
+        vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=8,
+        num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=48, linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return Qwen3_5MoeTextConfig(**kw)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny Llama saved in bf16 with a tokenizer; weights drawn with a realistic spread (std 0.05)."""

@@ -212,17 +212,13 @@ def test_hybrid_moe_model_fused_at_load_on_gpu_matches_unfused(bits, tmp_path):
     attention q/k/v and the shared experts' gate/up are fused by `from_pretrained`; the logits at prefill and at
     one token equal the unfused model's, eager and compiled; siblings fed different inputs on the GPU dissolve
     their group and still give their own rows."""
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from conftest import tiny_qwen3_5_moe_config
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
     from turboquant_hf.fusion import unfuse_projections
 
     torch.manual_seed(0)
-    text = Qwen3_5MoeTextConfig(
-        vocab_size=256, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, moe_intermediate_size=128, shared_expert_intermediate_size=192, num_experts=8,
-        num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-        linear_value_head_dim=48, linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256,
-        tie_word_embeddings=False)
+    text = tiny_qwen3_5_moe_config(hidden_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=192)
     Qwen3_5MoeForCausalLM(text).to(torch.bfloat16).save_pretrained(tmp_path)
     cfg = TurboQuantConfig(bits=bits, group_size=64)
     m = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg, device_map="cuda",

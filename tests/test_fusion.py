@@ -179,16 +179,11 @@ def test_fused_model_compiles_fullgraph(model):
 def test_hybrid_moe_model_fuses_its_gated_delta_net_projections(tmp_path):
     """Qwen3.5/3.6-style hybrid MoE: the gated-delta-net input projections (qkv, z, b, a), the attention layer's
     q/k/v and the shared expert's gate/up each become one op; same logits."""
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from conftest import tiny_qwen3_5_moe_config
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
     torch.manual_seed(0)
-    text = Qwen3_5MoeTextConfig(
-        vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=8,
-        num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-        linear_value_head_dim=48, linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256,
-        tie_word_embeddings=False)
-    Qwen3_5MoeForCausalLM(text).save_pretrained(tmp_path)
+    Qwen3_5MoeForCausalLM(tiny_qwen3_5_moe_config()).save_pretrained(tmp_path)
     m = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TurboQuantConfig(group_size=64),
                                              dtype=torch.float32).eval()
     with torch.no_grad():
