@@ -1624,6 +1624,9 @@ def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
     8 rows of 2 warps loading each step's words a step ahead (what a program loads first overlaps the
     rotation), 4096 inputs 8 rows of 4 warps (ahead as well for rows of 4096 outputs); 4-bit: 8 rows of 4 warps
     and a cap of 96 registers from 4096 inputs up (14336 -> 4096: 17.5 against 23.9 us uncapped), 16 rows below.
+    Weights of 2048 rows or fewer: 3- and 4-bit rows of 512 inputs or fewer 8 rows of 2 warps, a step ahead (the
+    expert down projection 512 -> 2048: 3.3 against 3.55 us), 3-bit rows up to 2048 inputs 4 rows of 4 warps, a
+    step ahead (2048 -> 1024: 3.85 against 4.0 us).
     Programs of 2 or 4 activation rows run uncapped (as measured)."""
     k = nut * lut_unit(n_levels)
     if n <= 2048:

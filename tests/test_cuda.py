@@ -12,6 +12,11 @@ from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def rel(a, b):
+    """Relative error of `a` against `b`, in float32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def test_quantize_on_gpu_matches_cpu(tiny_llama_dir, tmp_path):
     cfg = TurboQuantConfig(bits=3, group_size=64)
     gpu = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg, device_map="cuda",
@@ -186,9 +191,6 @@ def test_fused_projections_on_gpu_match_unfused(tiny_llama_dir, bits, monkeypatc
     assert attn.k_proj.weight.runtime_layout and attn.k_proj.weight.tq_packed.is_cuda
     ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(1)).cuda()
 
-    def rel(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
     with torch.no_grad():
         fused = model(input_ids=ids, use_cache=False).logits
         fused1 = model(input_ids=ids[:, :1], use_cache=False).logits
@@ -228,9 +230,6 @@ def test_hybrid_moe_model_fused_at_load_on_gpu_matches_unfused(bits, tmp_path):
     assert group is not None and group is la.in_proj_a._tq_group and len(group.members) == 4
     assert getattr(m.model.layers[3].self_attn.q_proj, "_tq_group", None) is not None
     ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(2)).cuda()
-
-    def rel(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
     with torch.no_grad():
         fused = m(input_ids=ids, use_cache=False).logits
