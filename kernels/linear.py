@@ -471,7 +471,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     bc = min(g, 64 if exact16 else 32)
     grid = (triton.cdiv(m, bm), ng, g // bc)
     hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
-    pdl = _pdl(x2.device, ng * g, {32: 8, 8: 16}.get(unit, 0) if m == 1 else 0)  # (the pair GEMV's codebook size)
+    pdl = _pdl(x2.device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
     _rotate_kernel[grid](x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
                          1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
                          NUT=(ng * g) // unit if unit else 0, PDL=pdl, num_warps=4)
@@ -886,8 +886,17 @@ PAIR_MAX_M = 2
 def lut_unit(n_levels: int, group_size: int | None = None) -> int:
     """Indices per unit of the byte-permute kernels (pair GEMV, lookup dequantization; 0: that codebook size,
     or a group smaller than a unit, does not use them)."""
-    unit = {16: 8, 8: 32, 4: 16}.get(n_levels, 0)
+    unit = _LUT_UNITS.get(n_levels, 0)
     return 0 if group_size is not None and unit and group_size % unit else unit
+
+
+def lut_levels(unit: int) -> int:
+    """The codebook size whose indices come `unit` to a unit in the byte-permute kernels (the inverse of
+    `lut_unit`; 0 for any other unit, including 0)."""
+    return next((lv for lv, u in _LUT_UNITS.items() if u == unit and unit), 0)
+
+
+_LUT_UNITS = {16: 8, 8: 32, 4: 16}  # codebook size -> indices a unit
 
 
 # ---------------------------------------------------------------------------
@@ -1626,7 +1635,11 @@ def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
     and a cap of 96 registers from 4096 inputs up (14336 -> 4096: 17.5 against 23.9 us uncapped), 16 rows below.
     Weights of 2048 rows or fewer: 3- and 4-bit rows of 512 inputs or fewer 8 rows of 2 warps, a step ahead (the
     expert down projection 512 -> 2048: 3.3 against 3.55 us), 3-bit rows up to 2048 inputs 4 rows of 4 warps, a
-    step ahead (2048 -> 1024: 3.85 against 4.0 us).
+    step ahead (2048 -> 1024: 3.85 against 4.0 us). 2-bit (and ternary, which runs its codes): 8 rows of 4 warps,
+    cap 96, except rows of 2048 inputs (8 rows of 2 warps a step ahead up to 8192 rows, of 4 warps above and for
+    2048 rows or fewer: 2048x8192 7.1 -> 6.2 us, 2048 -> 12352 8.6 -> 7.9, 2048 -> 1024 3.9 -> 3.7), 16 rows for
+    16384 rows or more (2 warps at 4096 inputs: 4096 -> 28672 22.9 -> 22.0; 4 at 8192: 8192x28672 41.2 -> 40.6),
+    4 rows of 4 warps a step ahead at 14336 inputs, where the early launch now reaches (14.7 against 14.9 us).
     Programs of 2 or 4 activation rows run uncapped (as measured)."""
     k = nut * lut_unit(n_levels)
     if n <= 2048:
@@ -1634,6 +1647,8 @@ def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
             return 8, 2, 128, 1
         if n_levels == 8 and k <= 2048:
             return 4, 4, 96, 1
+        if n_levels == 4 and 512 < k <= 2048:
+            return 8, 4, 96, 1
         return (8, 4, 96) if k <= 512 else (4, 8, 64)
     if n_levels == 16:
         return (16, 4) if k <= 2048 else (8, 4, 96)
@@ -1645,6 +1660,13 @@ def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
         if k <= 2048:
             return 8, 2, 128, 1
         return (8, 4, 96, 1) if n <= 4096 else (8, 4, 96)
+    if n_levels == 4:
+        if k <= 2048:
+            return (8, 2, 128, 1) if n <= 8192 else (8, 4, 96, 1)
+        if k > 8192:
+            return 4, 4, 96, 1
+        if n >= 16384:
+            return (16, 2, 128) if k <= 4096 else (16, 4, 96)
     return 8, 4, 96
 
 
@@ -2102,7 +2124,7 @@ def _lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, TU
 
 
 @triton.jit
-def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, out_ptr, sel_ptr, N, K, stride_on, scale,
+def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, h_ptr, out_ptr, sel_ptr, N, K, stride_on, scale,
                         NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, UPG: tl.constexpr,
                         BR: tl.constexpr, TUNED: tl.constexpr, USE_ASM: tl.constexpr, UNROT: tl.constexpr,
                         SEL_ROWS: tl.constexpr):
@@ -2114,21 +2136,17 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, out_ptr, sel_pt
 
     UNROT False: the rotated-basis weight `norm * codebook[idx]` (out is `(N, NG*G)`).
     UNROT True: the weight itself, `D1 . H . D2 . (norm * codebook[idx]) / sqrt(G)` per group, the Walsh-Hadamard
-    product on the tensor cores (a +-1 matrix built in registers, the D2 signs folded into its rows); out is
-    `(N, K)`, so cuBLAS can multiply the activations as they are, with no rotation pass."""
+    product on the tensor cores (the cached +-1 matrix `h_ptr`, in the operands' dtype, read once per program;
+    the D2 signs applied to the values with the norms); out is `(N, K)`, so cuBLAS can multiply the activations
+    as they are, with no rotation pass."""
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     NUT: tl.constexpr = NG * UPG
     t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV)
     kk = tl.arange(0, G)
     ru = tl.arange(0, UPG)
-    if UNROT:  # built once per program: the +-1 Sylvester entries (-1)^popcount(i & j), D2 folded into the rows
-        p = kk[:, None] & kk[None, :]
-        p = p ^ (p >> 4)
-        p = p ^ (p >> 2)
-        p = p ^ (p >> 1)
-        h = (1.0 - 2.0 * (p & 1).to(tl.float32)) * tl.load(s2_ptr + kk)[:, None]
-        if USE_ASM:
-            h = h.to(out_ptr.dtype.element_ty)
+    if UNROT:  # read once per program (a weight of few blocks per program spent most of its time building it)
+        h = tl.load(h_ptr + kk[:, None] * G + kk[None, :])
+        cs2 = tl.load(s2_ptr + kk)
         cscale = scale * tl.load(s1_ptr + kk)
     RG = N * NG
     for blk in tl.range(tl.program_id(0), tl.cdiv(RG, BR), tl.num_programs(0)):
@@ -2147,6 +2165,7 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, out_ptr, sel_pt
         v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, USE_ASM), [BR, G])
         v = v * tl.load(nrm_ptr + rs).to(tl.float32)[:, None]
         if UNROT:
+            v = v * cs2[None, :]  # (exact: +-1)
             if USE_ASM:  # 16-bit operands (+-1 entries are exact), float32 accumulation
                 y = tl.dot(v.to(out_ptr.dtype.element_ty), h)
             else:  # (the interpreter: float32 throughout)
@@ -2183,20 +2202,22 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
     out = torch.empty(n, width, dtype=dtype, device=packed.device)
     if n == 0 or ng == 0:
         return out
+    interp = _interpreting()
     if unrot:
         signs1, signs2 = _f32(signs1), _f32(signs2)
+        hmat = _hadamard_pm1(group_size, torch.float32 if interp else dtype, packed.device)
     else:
-        signs1 = signs2 = norms  # (unused)
+        signs1 = signs2 = hmat = norms  # (unused)
     pk = _packed_view(packed, 1)
     # two programs an SM, each looping over blocks: H200, 3-bit, the rotation undone, us, 4 -> 2 an SM: 4096x4096
     # 26.2 -> 22.3, 4096x14336 68.3 -> 57.9, 14336x4096 70.5 -> 59.5, 2048x8192 26.8 -> 22.3 (2- and 4-bit alike;
     # 8 an SM or one program a block were slower, as were 128 rows a block or 8 warps)
     grid = (min(triton.cdiv(n * ng, block_rows), programs or _sm_count(packed.device) * 2),)
     sel = select.reshape(-1) if select is not None else norms  # (unused without a selection)
-    _dequant_lut_kernel[grid](pk, norms.contiguous(), _f32(codebook), signs1, signs2, out, sel, n, width,
+    _dequant_lut_kernel[grid](pk, norms.contiguous(), _f32(codebook), signs1, signs2, hmat, out, sel, n, width,
                               out.stride(0), 1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
                               UPG=group_size // per, BR=block_rows, TUNED=_tuned(packed, n_levels),
-                              USE_ASM=not _interpreting(), UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
+                              USE_ASM=not interp, UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
                               num_warps=warps)
     return out
 
@@ -2248,14 +2269,15 @@ def _sm_count(device: torch.device) -> int:
 # (M = 2 was not measured again).
 PDL_MAX_K = 4096
 PDL_MAX_K_PAIRS = 16384
+PDL_PAIR_LEVELS = (4, 8, 16)  # the codebook sizes PDL_MAX_K_PAIRS applies to
 
 
 def _pdl(device: torch.device, k: int = 0, n_levels: int = 0) -> bool:
     """Whether the rotation and the pair GEMV after it use programmatic dependent launch on `device` for rows of
     `k` rotated inputs: the GEMV's launch and prologue overlap the rotation's run (CUDA, compute capability
     >= 9.0, a Triton with the intrinsics, not the interpreter, k <= PDL_MAX_K, or PDL_MAX_K_PAIRS for the pair
-    GEMV of an 8- or 16-entry codebook; `TURBOQUANT_PDL=0` turns it off)."""
-    limit = PDL_MAX_K_PAIRS if n_levels in (8, 16) else PDL_MAX_K  # (callers pass n_levels for M = 1 only)
+    GEMV of a codebook size in PDL_PAIR_LEVELS; `TURBOQUANT_PDL=0` turns it off)."""
+    limit = PDL_MAX_K_PAIRS if n_levels in PDL_PAIR_LEVELS else PDL_MAX_K  # (callers pass n_levels for M = 1 only)
     if device.type != "cuda" or not _HAS_GDC or k > limit or _interpreting():
         return False
     key = device.index if device.index is not None else torch.cuda.current_device()

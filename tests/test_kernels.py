@@ -543,6 +543,19 @@ def test_unit_geometry_covers_groups(L):
                 assert geo["UPG"] * geo["PER"] == g and geo["UPG"] * geo["WPU"] * 4 == bpg
 
 
+def test_lut_levels_inverts_lut_unit(L):
+    """The rotation decides its early launch from the pair unit it writes: `lut_levels` must give back the
+    codebook size the pair GEMV that reads it has, for every size the byte-permute kernels serve, and 0 for
+    anything else (no early launch on a guess)."""
+    units = {nl: L.lut_unit(nl) for nl in (3, 4, 8, 16)}
+    assert units == {3: 0, 4: 16, 8: 32, 16: 8}
+    for nl, unit in units.items():
+        if unit:
+            assert L.lut_levels(unit) == nl
+    for unit in (0, 1, 4, 64, 128):
+        assert L.lut_levels(unit) == 0
+
+
 def test_registration():
     import turboquant_hf.kernels as kpkg
 
