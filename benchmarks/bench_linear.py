@@ -460,7 +460,9 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
 WHOLE_SWEEP = {8: [None, (8, 4, 96), (8, 2, 128), (4, 2, 128), (8, 4, 96, 1), (4, 2, 128, 1), (8, 2, 128, 1), (16, 8),
                    (4, 4, 96, 1)],
                16: [None, (8, 4), (8, 2), (16, 4), (8, 4, 96), (8, 2, 128), (4, 4, 64), (8, 4, 96, 1), (8, 2, 128, 1),
-                    (4, 2, 128)]}
+                    (4, 2, 128)],
+               4: [None, (8, 4, 96), (8, 2, 128), (4, 2, 128), (16, 4, 96), (16, 2, 128), (8, 4, 96, 1), (8, 2, 128, 1),
+                   (4, 4, 96, 1), (4, 8, 64), (16, 4)]}
 
 
 def sweep_whole(case: Case, label: str, reps: int = 2) -> list[dict]:
@@ -475,13 +477,14 @@ def sweep_whole(case: Case, label: str, reps: int = 2) -> list[dict]:
     t_b, _ = time_calls([(lambda w=w: F.linear(x, w)) for w in bbufs], True)
     del bbufs
     cb = case.cb_ours
-    default, limits = L._pair_config, (L.PDL_MAX_K, L.PDL_MAX_K_PAIRS)
+    default, limits = L._pair_config, (L.PDL_MAX_K, L.PDL_MAX_K_PAIRS, L.PDL_PAIR_LEVELS)
     times: dict = {}
     try:
         for _ in range(reps):
             for long_pdl in ((False, True) if k > L.PDL_MAX_K else (False,)):
                 for cfg in WHOLE_SWEEP.get(case.cb_ours.numel(), [None]):
                     L.PDL_MAX_K_PAIRS = 1 << 30 if long_pdl else L.PDL_MAX_K
+                    L.PDL_PAIR_LEVELS = (4, 8, 16)
                     L._pair_config = default if cfg is None else (lambda *a, cfg=cfg: cfg)
 
                     def fn(p, nr):
@@ -495,7 +498,7 @@ def sweep_whole(case: Case, label: str, reps: int = 2) -> list[dict]:
                     times.setdefault(key, []).append(t)
     finally:
         L._pair_config = default
-        L.PDL_MAX_K, L.PDL_MAX_K_PAIRS = limits
+        L.PDL_MAX_K, L.PDL_MAX_K_PAIRS, L.PDL_PAIR_LEVELS = limits
     rows = [dict(shape=label, bits=str(case.bits), M=1, variant="bf16 F.linear", us=t_b)]
     nut = case.norms.shape[1] * g // L.lut_unit(cb.numel())
     for (cfg, long_pdl), ts in times.items():
