@@ -127,6 +127,31 @@ def bench_moe(e=256, k=8, h=2048, inter=512, g=128) -> list[dict]:
     return rows
 
 
+def profile_moe(m: int = 2048, bits=3, e=256, k=8, h=2048, inter=512, g=128, reps: int = 5) -> str:
+    """Where the quantized MoE layer's time goes at `m` tokens: torch.profiler over `reps` eager calls (random
+    routing, as `bench_moe`), the ops and kernels sorted by device time, then by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    ours = TurboQuantExperts(e, h, inter, bits, bits, g, device=DEV)
+    ours.gate_up_proj.load_packed_(*codec.quantize_weight(torch.randn(e, 2 * inter, h, device=DEV) * 0.02, bits, g))
+    ours.down_proj.load_packed_(*codec.quantize_weight(torch.randn(e, h, inter, device=DEV) * 0.02, bits, g))
+    x = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
+    w, idx = torch.topk(torch.softmax(torch.randn(m, e, device=DEV), -1), k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    with torch.no_grad():
+        t = _events_us(lambda: ours(x, idx, w))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                ours(x, idx, w)
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    head = f"MoE layer, {bits}-bit, M = {m}, E = {e}, top-{k}, H = {h}, I = {inter}: {t:.0f} us a call (events, median)"
+    return "\n\n".join([head, table.table(sort_by="cuda_time_total", row_limit=25),
+                        table.table(sort_by="self_cpu_time_total", row_limit=25)])
+
+
 # ---------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------
@@ -331,11 +356,16 @@ def main() -> int:
                     help="also time these models with the forward compiled (torch.compile) before capture")
     ap.add_argument("--fuse", action="store_true",
                     help="also time each recipe with q/k/v and gate/up fused (turboquant_hf.fusion.fuse_projections)")
+    ap.add_argument("--profile-moe", action="store_true",
+                    help="only profile the quantized MoE layer at 2048 tokens (torch.profiler tables) and exit")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
     env = environment()
     print(json.dumps(env), flush=True)
+    if args.profile_moe:
+        print(profile_moe(), flush=True)
+        return 0
     moe = [] if args.skip_moe else bench_moe()
     e2e = []
     for key in args.models:
