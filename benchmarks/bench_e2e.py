@@ -2,6 +2,7 @@
 
     python benchmarks/bench_e2e.py --md E2E.md --json e2e.json [--models llama8b qwen36] [--skip-moe]
                                    [--compile llama8b]
+    python benchmarks/bench_e2e.py --profile-moe     # where the MoE layer's time goes at 2048 tokens
 
 MoE layer (E = 256, top-8, H = 2048, I = 512, the Qwen3.6-35B-A3B experts): transformers' own fused
 bf16 experts module, with its "eager" implementation (a loop over the routed experts) and its "grouped_mm"
