@@ -311,9 +311,21 @@ def bench_model(key: str, recipes: list[str], compile: bool = False, fuse: bool 
     return rows
 
 
+def _version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def environment() -> dict:
+    # the gated-delta-net layers of Qwen3.5/3.6 run transformers' PyTorch fallbacks unless these are installed:
+    # both sides of the comparison share that part of the token, so it sets how far apart they can be
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                fla=_version("flash-linear-attention"), causal_conv1d=_version("causal-conv1d"),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
@@ -321,6 +333,8 @@ def markdown(env: dict, moe: list[dict], e2e: list[dict], command: str) -> str:
     out = ["# MoE layer and end-to-end decode: bf16 vs TurboQuant", "",
            f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
            f"transformers {env['transformers']}, Python {env['python']}",
+           f"- gated-delta-net kernels (Qwen3.6 layers): flash-linear-attention {env.get('fla', 'n/a')}, "
+           f"causal-conv1d {env.get('causal_conv1d', 'n/a')}",
            f"- date: {env['date']}", f"- command: `{command}`", ""]
     if moe:
         out += ["## MoE layer (E = 256, top-8, H = 2048, I = 512; G = 128)", "",
