@@ -22,8 +22,6 @@ float32 activations) run `linear.product` per routed expert on its tokens.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from . import linear as L
@@ -81,19 +79,29 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
     return cap[0] == 9 if (major, minor) < (2, 9) else cap >= (8, 0)
 
 
-def _expert_chunks(counts: list, per_expert_bytes: int, device, grouped: bool):
+def _expert_chunks(counts, per_expert_bytes: int, device, grouped: bool):
     """The routed experts (those with tokens, in order) in chunks whose decoded matrices fit
     `PREFILL_SCRATCH_BYTES`: yields (start, stop) of the chunk's rows among the pairs sorted by expert, the
-    expert numbers (int32 tensor), the row count per expert and, for `torch._grouped_mm`, their end offsets."""
+    expert numbers (int32 tensor), the row count per expert and, for `torch._grouped_mm`, their end offsets.
+
+    `counts`: the per-expert counts as a device tensor and as a list (`_sorted_pairs`). The expert numbers of every
+    chunk come from one host-to-device copy (pinned, queued without waiting) and the offsets are summed on the
+    device: a copy from pageable memory per chunk could wait for the stream, leaving the GPU idle while the host
+    queues the next chunk's kernels."""
+    counts_dev, counts = counts
     active = [ex for ex, c in enumerate(counts) if c]
     step = max(1, PREFILL_SCRATCH_BYTES // per_expert_bytes)
+    host = torch.tensor(active, dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        active_dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        active_dev = host.to(device)
     start = 0
     for c0 in range(0, len(active), step):
-        chunk = active[c0:c0 + step]
-        sizes = [counts[ex] for ex in chunk]
-        offs = (torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=device)
-                if grouped else None)
-        yield start, start + sum(sizes), torch.tensor(chunk, dtype=torch.int32, device=device), sizes, offs
+        sizes = [counts[ex] for ex in active[c0:c0 + step]]
+        sel = active_dev[c0:c0 + len(sizes)]
+        offs = counts_dev.index_select(0, sel).cumsum(0, dtype=torch.int32) if grouped else None
+        yield start, start + sum(sizes), sel, sizes, offs
         start += sum(sizes)
 
 
@@ -106,11 +114,12 @@ def _expert_products(a: torch.Tensor, w: torch.Tensor, sizes: list, offs, groupe
 
 def _sorted_pairs(hidden, top_k_index, top_k_weights, e):
     """The routed (token, slot) pairs sorted by expert (`ops.expert_groups`, one host synchronisation): their
-    token ids, routing weights (float32), per-expert counts (a list), and whether `torch._grouped_mm` serves them."""
+    token ids, routing weights (float32), per-expert counts (the device tensor and a list), and whether
+    `torch._grouped_mm` serves them."""
     from turboquant_hf.ops import expert_groups
 
-    tok, slot, counts = expert_groups(top_k_index, e)
-    return tok, top_k_weights[tok, slot].to(torch.float32), counts.tolist(), _grouped_mm_ok(hidden)
+    tok, slot, counts, counts_list = expert_groups(top_k_index, e)
+    return tok, top_k_weights[tok, slot].to(torch.float32), (counts, counts_list), _grouped_mm_ok(hidden)
 
 
 def _weighted_sum(y, w, tok, hidden):

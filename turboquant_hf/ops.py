@@ -101,7 +101,9 @@ ACTIVATIONS = {
 
 
 def expert_groups(top_k_index: torch.Tensor, num_experts: int):
-    """Routed (token, slot) pairs grouped by expert: (sorted token ids, sorted slot ids, per-expert counts).
+    """Routed (token, slot) pairs grouped by expert: (sorted token ids, sorted slot ids, per-expert counts as a
+    tensor on the indices' device and as a list). One host synchronisation (the counts and the number of negative
+    indices travel together).
 
     Indices outside [0, num_experts) (some routers use num_experts as "no expert") are dropped.
     """
@@ -109,17 +111,17 @@ def expert_groups(top_k_index: torch.Tensor, num_experts: int):
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
-    n_valid = int(counts.sum())
-    first = int(((flat[order] < 0)).sum())  # negative sentinels sort first
-    order = order[first : first + n_valid]
-    return order // k, order % k, counts
+    host = torch.cat([counts, (flat < 0).sum().view(1)]).tolist()
+    counts_list, first = host[:-1], host[-1]  # (negative sentinels sort first)
+    order = order[first : first + sum(counts_list)]
+    return order // k, order % k, counts, counts_list
 
 
 def routed_groups(top_k_index: torch.Tensor, num_experts: int):
     """For each expert some token was routed to: (expert, token ids, slot ids). One host synchronisation."""
-    tokens, slots, counts = expert_groups(top_k_index, num_experts)
+    tokens, slots, _, counts = expert_groups(top_k_index, num_experts)
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts):
         if n:
             yield e, tokens[start : start + n], slots[start : start + n]
             start += n
