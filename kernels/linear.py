@@ -883,6 +883,9 @@ def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.co
 PAIR_MAX_M = 2
 
 
+_LUT_UNITS = {16: 8, 8: 32, 4: 16}  # codebook size -> indices a unit
+
+
 def lut_unit(n_levels: int, group_size: int | None = None) -> int:
     """Indices per unit of the byte-permute kernels (pair GEMV, lookup dequantization; 0: that codebook size,
     or a group smaller than a unit, does not use them)."""
@@ -894,9 +897,6 @@ def lut_levels(unit: int) -> int:
     """The codebook size whose indices come `unit` to a unit in the byte-permute kernels (the inverse of
     `lut_unit`; 0 for any other unit, including 0)."""
     return next((lv for lv, u in _LUT_UNITS.items() if u == unit and unit), 0)
-
-
-_LUT_UNITS = {16: 8, 8: 32, 4: 16}  # codebook size -> indices a unit
 
 
 # ---------------------------------------------------------------------------

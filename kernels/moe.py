@@ -79,7 +79,7 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
     return cap[0] == 9 if (major, minor) < (2, 9) else cap >= (8, 0)
 
 
-def _expert_chunks(counts, per_expert_bytes: int, device, grouped: bool):
+def _expert_chunks(counts, per_expert_bytes: int, grouped: bool):
     """The routed experts (those with tokens, in order) in chunks whose decoded matrices fit
     `PREFILL_SCRATCH_BYTES`: yields (start, stop) of the chunk's rows among the pairs sorted by expert, the
     expert numbers (int32 tensor), the row count per expert and, for `torch._grouped_mm`, their end offsets.
@@ -92,10 +92,10 @@ def _expert_chunks(counts, per_expert_bytes: int, device, grouped: bool):
     active = [ex for ex, c in enumerate(counts) if c]
     step = max(1, PREFILL_SCRATCH_BYTES // per_expert_bytes)
     host = torch.tensor(active, dtype=torch.int32)
-    if torch.device(device).type == "cuda":
-        active_dev = host.pin_memory().to(device, non_blocking=True)
+    if counts_dev.device.type == "cuda":
+        active_dev = host.pin_memory().to(counts_dev.device, non_blocking=True)
     else:
-        active_dev = host.to(device)
+        active_dev = host.to(counts_dev.device)
     start = 0
     for c0 in range(0, len(active), step):
         sizes = [counts[ex] for ex in active[c0:c0 + step]]
@@ -138,7 +138,7 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
     x = hidden[tok].to(wdt)  # the routed pairs' tokens, sorted by expert
     y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
     per_expert = 3 * inter * h * torch.finfo(wdt).bits // 8
-    for start, stop, sel, sizes, offs in _expert_chunks(counts, per_expert, hidden.device, grouped):
+    for start, stop, sel, sizes, offs in _expert_chunks(counts, per_expert, grouped):
         w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, s1, s2, h, select=sel, select_rows=2 * inter)
         gu = _expert_products(x[start:stop], w_gu.view(len(sizes), 2 * inter, h), sizes, offs, grouped).float()
         del w_gu
@@ -256,7 +256,7 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     d_signs = down_signs.float()
     y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
     per_expert = 3 * inter * h * torch.finfo(wdt).bits // 8
-    for start, stop, sel, sizes, offs in _expert_chunks(counts, per_expert, hidden.device, grouped):
+    for start, stop, sel, sizes, offs in _expert_chunks(counts, per_expert, grouped):
         n = len(sizes)
         w_g = L.dequantize_lut(gate_packed, gate_norms, gate_codebook, g_h, wdt, select=sel, select_rows=inter)
         gate = _expert_products(xg[start:stop], w_g.view(n, inter, h), sizes, offs, grouped).float()
