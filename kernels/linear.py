@@ -2155,13 +2155,17 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, h_ptr, out_ptr,
         r = tl.minimum(r, RG - 1)  # clamped: loads stay in bounds, the extra rows are not stored
         n = (r // NG).to(tl.int64)
         g = r % NG
-        if SEL_ROWS > 0:  # the source row: row n % SEL_ROWS of the selected matrix
-            src = tl.load(sel_ptr + n // SEL_ROWS).to(tl.int64) * SEL_ROWS + n % SEL_ROWS
+        if SEL_ROWS > 0:  # the source row: row n % SEL_ROWS of the selected matrix (none for a negative number)
+            ex = tl.load(sel_ptr + n // SEL_ROWS).to(tl.int64)
+            rmask = rmask & (ex >= 0)
+            src = tl.maximum(ex, 0) * SEL_ROWS + n % SEL_ROWS
             rs = src * NG + g
+            umask = rmask[:, None]
         else:
             src = n
             rs = r
-        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], None, WPU, TUNED, src[:, None], NUT)
+            umask = None
+        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], umask, WPU, TUNED, src[:, None], NUT)
         v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, USE_ASM), [BR, G])
         v = v * tl.load(nrm_ptr + rs).to(tl.float32)[:, None]
         if UNROT:
@@ -2189,7 +2193,8 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
     `(rows, n_groups*G)` (= `codec.rotated_weight`).
 
     `select` (int tensor of S matrix numbers) with `select_rows` = R: the weight is stacked matrices of R rows
-    each (experts) and only the selected ones are decoded, into `(S*R, width)` in the order given."""
+    each (experts) and only the selected ones are decoded, into `(S*R, width)` in the order given; the rows of a
+    negative number are neither read nor written."""
     n, ng = norms.shape
     if select is not None:
         n = select.numel() * select_rows

@@ -11,18 +11,24 @@ synchronisation, so the layer can be captured in a CUDA graph:
 4. `rotate` each pair's intermediate row;
 5. the GEMV over pairs with the down matrices, then the top-k weighted sum per token.
 
-Otherwise (prefill): the (token, slot) pairs are sorted by expert (one host synchronisation for the counts,
-as transformers' own expert loop does). For 2-, 3- and 4-bit experts (ternary in its runtime layout) and 16-bit
-activations, the routed experts' matrices are decoded, rotation undone, into a scratch buffer of at most
-`PREFILL_SCRATCH_BYTES` (a chunk of experts at a time; only routed experts are read), and each chunk runs as two
-grouped matrix products (`torch._grouped_mm`, bfloat16 on CUDA; a product per expert otherwise) around the
-activation: a few launches per chunk instead of a dozen per expert. Other tiers (ternary in its published bytes,
-float32 activations) run `linear.product` per routed expert on its tokens.
+Otherwise (prefill), for 2-, 3- and 4-bit experts (ternary in its runtime layout) and 16-bit activations:
+the tokens are rotated once (`PREFILL_ROTATED_BASIS`), the (token, slot) pairs sorted by expert, the routed
+experts' matrices decoded in the rotated basis into a scratch buffer of at most `PREFILL_SCRATCH_BYTES`, and two
+grouped matrix products (`torch._grouped_mm`, bfloat16 on CUDA; a product per expert otherwise) run around one
+activation kernel (`act_mul`, then the intermediate rows rotated); one gather kernel (`combine`) sums each
+token's pairs with its routing weights. When the pairs are at least as many as the experts and all the
+experts' gate/up matrices fit the budget, the routing stays on the device (no host synchronisation, one pass;
+experts no pair needs are neither read nor decoded); otherwise the per-expert counts come to the host (one
+synchronisation, as transformers' own expert loop does) and the routed experts are decoded a chunk at a time.
+Other tiers (ternary in its published bytes, float32 activations) run `linear.product` per routed expert on
+its tokens.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from . import linear as L
 
@@ -30,13 +36,96 @@ from . import linear as L
 PAIR_MAX_ROWS = 64
 # Largest scratch buffer of decoded expert weights at prefill (bytes); the routed experts are decoded in chunks
 # that fit (at least one expert at a time).
-PREFILL_SCRATCH_BYTES = 256 << 20
+PREFILL_SCRATCH_BYTES = 1 << 30
+# Prefill: rotate the activations and decode the experts in the rotated basis (True), or decode the experts with
+# the rotation undone on the tensor cores and multiply the activations as they are (False).
+PREFILL_ROTATED_BASIS = True
 
 
 def _activation(name: str):
     from turboquant_hf.ops import ACTIVATIONS
 
     return ACTIVATIONS[name]
+
+
+# Activations `_act_mul_kernel` computes itself (others run in torch).
+_ACT_CODES = {"silu": 0, "relu": 1, "gelu_pytorch_tanh": 2}
+
+
+@triton.jit
+def _act_mul_kernel(gu_ptr, out_ptr, R, I, stride_g, stride_o, ACT: tl.constexpr, BR: tl.constexpr,
+                    BC: tl.constexpr):
+    """out[r, c] = act(gu[r, c]) * gu[r, I + c] in float32, stored in out's dtype (one pass over the gate/up
+    product instead of a conversion, the activation, the product and a conversion back)."""
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (rr < R)[:, None] & (cc < I)[None, :]
+    row = rr.to(tl.int64)[:, None]
+    gate = tl.load(gu_ptr + row * stride_g + cc[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_g + I + cc[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        a = gate * tl.sigmoid(gate)
+    elif ACT == 1:
+        a = tl.maximum(gate, 0.0)
+    else:  # tanh-approximated GELU; tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        a = gate * tl.sigmoid(2.0 * z)
+    tl.store(out_ptr + row * stride_o + cc[None, :], (a * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def act_mul(gu: torch.Tensor, inter: int, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """`act(gu[:, :inter]) * gu[:, inter:]` computed in float32, in `out_dtype`: one kernel for the activations of
+    `_ACT_CODES`, torch ops otherwise."""
+    r = gu.shape[0]
+    code = _ACT_CODES.get(activation)
+    if code is None or gu.stride(-1) != 1:
+        gf = gu.float()
+        return (_activation(activation)(gf[:, :inter]) * gf[:, inter:]).to(out_dtype)
+    out = torch.empty(r, inter, dtype=out_dtype, device=gu.device)
+    if r:
+        br, bc = 16, min(256, triton.next_power_of_2(inter))
+        _act_mul_kernel[(triton.cdiv(r, br), triton.cdiv(inter, bc))](gu, out, r, inter, gu.stride(0), out.stride(0),
+                                                                       ACT=code, BR=br, BC=bc, num_warps=4)
+    return out
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl.constexpr, BC: tl.constexpr):
+    """out[t] = sum over slots j of w[t, j] * y[pos[t, j]] in float32 (pos -1: the slot routed nowhere), stored in
+    out's dtype: each token reads its own rows of the expert-sorted results, so no scatter and no atomics."""
+    t = tl.program_id(0).to(tl.int64)
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cc < H
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = tl.load(pos_ptr + t * K + j).to(tl.int64)
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        live = (tl.zeros([BC], dtype=tl.int64) + p) >= 0
+        v = tl.load(y_ptr + tl.maximum(p, 0) * stride_y + cc, mask=cmask & live, other=0.0)
+        acc += w * v.to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cc, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def positions(tok: torch.Tensor, slot: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """`(t * k,)` int32: for pair (token, slot) its row among the expert-sorted pairs `(tok, slot)`, -1 where the
+    pair is routed to no expert."""
+    pos = torch.full((t * k,), -1, dtype=torch.int32, device=tok.device)
+    return pos.index_copy_(0, tok * k + slot, torch.arange(tok.numel(), dtype=torch.int32, device=tok.device))
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output from the expert-sorted pair results `y`: per token the routing-weighted sum of its pairs'
+    rows (`pos`: row of pair (token, slot), -1 for none; see `positions`), in float32, stored in `out_dtype`. One
+    kernel, each token gathering its own rows."""
+    t, k = top_k_weights.shape
+    h = y.shape[1]
+    w = top_k_weights if top_k_weights.is_contiguous() else top_k_weights.contiguous()
+    out = torch.empty(t, h, dtype=out_dtype, device=y.device)
+    if t:
+        bc = min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, bc))](y, pos, w, out, h, y.stride(0), out.stride(0), K=k, BC=bc,
+                                                 num_warps=4)
+    return out
 
 
 def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
@@ -64,7 +153,7 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
         return out.to(hidden.dtype)
     if sixteen and unit_gu and unit_d:
         return _grouped_decoded(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
-                                down_packed, down_norms, down_codebook, s1, s2, group_size, e, act, inter)
+                                down_packed, down_norms, down_codebook, s1, s2, group_size, e, activation, inter)
     return _grouped(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
                     down_packed, down_norms, down_codebook, s1, s2, group_size, e, act, inter)
 
@@ -112,41 +201,107 @@ def _expert_products(a: torch.Tensor, w: torch.Tensor, sizes: list, offs, groupe
     return torch.cat([torch.nn.functional.linear(part, w[i]) for i, part in enumerate(a.split(sizes))])
 
 
-def _sorted_pairs(hidden, top_k_index, top_k_weights, e):
+def _sorted_pairs(hidden, top_k_index, e):
     """The routed (token, slot) pairs sorted by expert (`ops.expert_groups`, one host synchronisation): their
-    token ids, routing weights (float32), per-expert counts (the device tensor and a list), and whether
-    `torch._grouped_mm` serves them."""
+    token and slot ids, per-expert counts (the device tensor and a list), and whether `torch._grouped_mm` serves
+    them."""
     from turboquant_hf.ops import expert_groups
 
     tok, slot, counts, counts_list = expert_groups(top_k_index, e)
-    return tok, top_k_weights[tok, slot].to(torch.float32), (counts, counts_list), _grouped_mm_ok(hidden)
+    return tok, slot, (counts, counts_list), _grouped_mm_ok(hidden)
 
 
-def _weighted_sum(y, w, tok, hidden):
-    """Per token, the sum of its pairs' rows `y` times their routing weights `w`, in the activations' dtype."""
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, tok, y * w[:, None])
-    return out.to(hidden.dtype)
+def _device_routing(top_k_index: torch.Tensor, e: int):
+    """The routed pairs sorted by expert, computed on the device with no host synchronisation: (token ids, the
+    row of each (token, slot) pair among the sorted ones (-1 for none: `positions`), the matrices to decode
+    (`(E,)` int32, -1 for an expert no pair needs, which is neither read nor written), the grouped products'
+    end offsets `(E,)` int32).
+
+    Pairs routed to no expert (indices outside [0, E)) sort last and join the last expert's group, which is then
+    decoded, so that every row lies inside the offsets (their results are never read)."""
+    t, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    keys = torch.where((flat >= 0) & (flat < e), flat, e).to(torch.int64)
+    order = torch.argsort(keys.to(torch.int16) if e < 2**15 - 1 else keys, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    groups = counts[:e].clone()
+    groups[-1] += counts[e]
+    arange = torch.arange(t * k, dtype=torch.int32, device=flat.device)
+    sel = torch.where(groups > 0, arange[:e], -1)
+    live = keys.index_select(0, order) < e
+    pos = torch.empty(t * k, dtype=torch.int32, device=flat.device)
+    pos.index_copy_(0, order, torch.where(live, arange, -1))
+    return order // k, pos, sel, groups.cumsum(0, dtype=torch.int32)
+
+
+def _offset_products(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows `a` grouped by expert (group i ends at row `offs[i]`) times the experts' matrices `w` `(E, out, in)`:
+    `torch._grouped_mm`, or where it does not serve, a product per expert (the sizes fetched to the host)."""
+    if grouped:
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    return torch.cat([torch.nn.functional.linear(part, w[i]) for i, part in enumerate(a.split(sizes))])
+
+
+def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt: torch.dtype):
+    """How a prefill runs its routed experts: (token id of each sorted pair, `positions` of the pairs, the chunks
+    as (start row, stop row, matrices to decode, end offsets, row counts or None), the product function).
+
+    `widest`: the elements of an expert's largest matrix (decoded one projection at a time); `per_expert`: of all
+    its matrices. One chunk with the routing on the device (no host synchronisation; `_device_routing`) where the
+    pairs are at least as many as the experts and every expert's largest matrix fits `PREFILL_SCRATCH_BYTES` at
+    once; otherwise the counts come to the host (one synchronisation) and the routed experts are decoded in
+    chunks of `per_expert`-sized experts that fit."""
+    t, k = top_k_index.shape
+    nbytes = torch.finfo(wdt).bits // 8
+    grouped = _grouped_mm_ok(hidden)
+    if t * k >= e and e * widest * nbytes <= PREFILL_SCRATCH_BYTES:
+        tok, pos, sel, offs = _device_routing(top_k_index, e)
+        return tok, pos, [(0, t * k, sel, offs, None)], lambda a, w, offs, sizes: _offset_products(a, w, offs, grouped)
+    tok, slot, counts, grouped = _sorted_pairs(hidden, top_k_index, e)
+    chunks = [(start, stop, sel, offs, sizes) for start, stop, sel, sizes, offs in
+              _expert_chunks(counts, per_expert * nbytes, grouped)]
+    return tok, positions(tok, slot, t, k), chunks, lambda a, w, offs, sizes: _expert_products(a, w, sizes, offs,
+                                                                                                grouped)
 
 
 def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1,
-                     s2, g, e, act, inter):
-    """Prefill over the routed experts' decoded weights (see the module docstring)."""
+                     s2, g, e, activation, inter):
+    """Prefill over the routed experts' decoded weights (see the module docstring). With `PREFILL_ROTATED_BASIS`
+    the activations are rotated instead (the tokens once, the intermediate rows once per chunk) and the weights
+    decoded in the rotated basis, with no Walsh-Hadamard product per weight.
+
+    Where the pairs are at least as many as the experts and every expert's gate/up matrix fits the scratch budget
+    at once, the routing stays on the device (`_device_routing`): no host synchronisation, every routed expert
+    decoded in one pass (the others skipped), two grouped products. Otherwise the counts come to the host and the
+    routed experts are decoded in chunks that fit the budget."""
     h = hidden.shape[1]
     wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
-    tok, w, counts, grouped = _sorted_pairs(hidden, top_k_index, top_k_weights, e)
-    x = hidden[tok].to(wdt)  # the routed pairs' tokens, sorted by expert
-    y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
-    per_expert = 3 * inter * h * torch.finfo(wdt).bits // 8
-    for start, stop, sel, sizes, offs in _expert_chunks(counts, per_expert, grouped):
-        w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, s1, s2, h, select=sel, select_rows=2 * inter)
-        gu = _expert_products(x[start:stop], w_gu.view(len(sizes), 2 * inter, h), sizes, offs, grouped).float()
+    rotated = PREFILL_ROTATED_BASIS
+    x_all = L.rotate(hidden, s1, s2, g, wdt) if rotated else hidden.to(wdt)
+    tok, pos, chunks, products = _prefill_plan(hidden, top_k_index, e, 2 * inter * h, 3 * inter * h, wdt)
+    x = x_all[tok]  # the routed pairs' tokens, sorted by expert
+    y = None if len(chunks) == 1 else torch.empty(tok.numel(), h, dtype=wdt, device=hidden.device)
+    for start, stop, sel, offs, sizes in chunks:
+        n_mat = sel.numel()
+        unrot = () if rotated else (s1, s2, h)
+        w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, *unrot, select=sel, select_rows=2 * inter)
+        gu = products(x[start:stop], w_gu.view(n_mat, 2 * inter, -1), offs, sizes)
         del w_gu
-        mid = (act(gu[:, :inter]) * gu[:, inter:]).to(wdt)
-        w_d = L.dequantize_lut(d_packed, d_norms, d_cb, g, wdt, s1, s2, inter, select=sel, select_rows=h)
-        y[start:stop] = _expert_products(mid, w_d.view(len(sizes), h, inter), sizes, offs, grouped)
+        mid = act_mul(gu, inter, activation, wdt)
+        del gu
+        if rotated:
+            mid = L.rotate(mid, s1, s2, g, wdt)
+        unrot = () if rotated else (s1, s2, inter)
+        w_d = L.dequantize_lut(d_packed, d_norms, d_cb, g, wdt, *unrot, select=sel, select_rows=h)
+        part = products(mid, w_d.view(n_mat, h, -1), offs, sizes)
         del w_d
-    return _weighted_sum(y, w, tok, hidden)
+        if y is None:
+            y = part
+        else:
+            y[start:stop] = part
+    return combine(y, pos, top_k_weights, hidden.dtype)
 
 
 def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
@@ -248,24 +403,27 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     inter = gate_norms.shape[0] // e
     g_h, g_i = h // gate_norms.shape[1], inter // down_norms.shape[1]
     wdt = torch.float32 if L._interpreting() else hidden.dtype
-    tok, w, counts, grouped = _sorted_pairs(hidden, top_k_index, top_k_weights, e)
+    tok, pos, chunks, products = _prefill_plan(hidden, top_k_index, e, inter * h, 3 * inter * h, wdt)
     x = hidden.to(torch.float32)
     xg = rotation.rotate_rows(x, gate_signs.float())
     xu = xg if torch.equal(gate_signs, up_signs) else rotation.rotate_rows(x, up_signs.float())
     xg, xu = xg[tok].to(wdt), xu[tok].to(wdt)  # the routed pairs' rows, sorted by expert
     d_signs = down_signs.float()
-    y = torch.empty(tok.numel(), h, dtype=torch.float32, device=hidden.device)
-    per_expert = 3 * inter * h * torch.finfo(wdt).bits // 8
-    for start, stop, sel, sizes, offs in _expert_chunks(counts, per_expert, grouped):
-        n = len(sizes)
+    y = None if len(chunks) == 1 else torch.empty(tok.numel(), h, dtype=wdt, device=hidden.device)
+    for start, stop, sel, offs, sizes in chunks:
+        n = sel.numel()
         w_g = L.dequantize_lut(gate_packed, gate_norms, gate_codebook, g_h, wdt, select=sel, select_rows=inter)
-        gate = _expert_products(xg[start:stop], w_g.view(n, inter, h), sizes, offs, grouped).float()
+        gate = products(xg[start:stop], w_g.view(n, inter, h), offs, sizes).float()
         del w_g
         w_u = L.dequantize_lut(up_packed, up_norms, up_codebook, g_h, wdt, select=sel, select_rows=inter)
-        up = _expert_products(xu[start:stop], w_u.view(n, inter, h), sizes, offs, grouped).float()
+        up = products(xu[start:stop], w_u.view(n, inter, h), offs, sizes).float()
         del w_u
         mid = rotation.rotate_rows(act(gate) * up, d_signs).to(wdt)
         w_d = L.dequantize_lut(down_packed, down_norms, down_codebook, g_i, wdt, select=sel, select_rows=h)
-        y[start:stop] = _expert_products(mid, w_d.view(n, h, inter), sizes, offs, grouped)
+        part = products(mid, w_d.view(n, h, inter), offs, sizes)
         del w_d
-    return _weighted_sum(y, w, tok, hidden)
+        if y is None:
+            y = part
+        else:
+            y[start:stop] = part
+    return combine(y, pos, top_k_weights, hidden.dtype)

@@ -480,17 +480,65 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
         gu_k, d_k = layout.to_runtime(gu_p, nl, g, h // g), layout.to_runtime(d_p, nl, g, inter // g)
         cb_k = layout.runtime_codebook(cb)
     M.PAIR_MAX_ROWS = 8  # (this copy only) 2 tokens x top-3 take the pair path, 4 tokens the grouped one
-    M.PREFILL_SCRATCH_BYTES = 2 * (3 * inter * h) * 4  # two experts' float32 weights a chunk
-    for t in (2, 4):
+    chunked = 2 * (3 * inter * h) * 4  # two experts' float32 weights a chunk (the host-synchronised path)
+    # the grouped path: chunks, then every expert at once (routing on the device), rotated basis or not
+    settings = [(None, True), (chunked, True), (1 << 30, True)] + ([(1 << 30, False)] if bits == 3 else [])
+    for scratch, rotated in settings:
+        t = 2 if scratch is None else 4
+        M.PREFILL_SCRATCH_BYTES, M.PREFILL_ROTATED_BASIS = scratch or chunked, rotated
         hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
         top_k_index = torch.randint(0, e, (t, 3), generator=gen)
         top_k_index[0, 1] = e  # "no expert"
+        top_k_index[t - 1, 0] = -1
         top_k_weights = torch.rand(t, 3, generator=gen)
         args = (hidden, top_k_index, top_k_weights, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e, "silu")
         ref = ops.turboquant_moe_experts(hidden.float(), *args[1:])
         y = M.moe_experts(hidden, top_k_index, top_k_weights, gu_k, gu_n, cb_k, d_k, d_n, cb_k, s1, s2, g, e, "silu")
         assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
-        assert _rel(y, ref) < 1.5e-2, (t, _rel(y, ref))
+        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, _rel(y, ref))
+    M.PREFILL_ROTATED_BASIS = True  # (this copy's default again)
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu", "gelu_pytorch_tanh", "gelu"])
+def test_act_mul_matches_torch(M, activation):
+    """The gate/up activation kernel (silu, relu and tanh-GELU; exact GELU and strided inputs take torch ops)
+    against `act(gate) * up` in float32, over rows and columns that are not multiples of its blocks."""
+    gen = torch.Generator().manual_seed(len(activation))
+    inter = 300
+    gu = torch.randn(37, 2 * inter, generator=gen) * 3
+    want = ops.ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]
+    got = M.act_mul(gu, inter, activation, torch.float32)
+    assert got.shape == want.shape and _rel(got, want) < 1e-6, _rel(got, want)
+    strided = torch.cat([gu, gu], 1)[:, ::2]  # (not unit-stride: the torch fallback)
+    assert _rel(M.act_mul(strided, inter, activation, torch.float32),
+                ops.ACTIVATIONS[activation](strided[:, :inter]) * strided[:, inter:]) < 1e-6
+
+
+def test_combine_sums_routed_rows(M):
+    """The output gather of the prefill path: per token, the routing-weighted sum of its pairs' rows from the
+    expert-sorted results, pairs routed to no expert (negative or >= E) counting zero, against index_add."""
+    gen = torch.Generator().manual_seed(11)
+    t, k, h, e = 9, 3, 1100, 4
+    idx = torch.randint(0, e, (t, k), generator=gen)
+    idx[1, 2], idx[3, 0] = e, -1
+    idx[5] = torch.tensor([e, -1, e])  # a token routed nowhere
+    tok, slot, counts, counts_list = ops.expert_groups(idx, e)
+    assert counts.tolist() == counts_list == torch.bincount(idx[(idx >= 0) & (idx < e)], minlength=e).tolist()
+    assert sorted(zip(tok.tolist(), slot.tolist())) == sorted(
+        (i, j) for i in range(t) for j in range(k) if 0 <= idx[i, j] < e)
+    assert idx[tok, slot].tolist() == sorted(idx[tok, slot].tolist())  # grouped by expert
+    y = torch.randn(tok.numel(), h, generator=gen)
+    w = torch.rand(t, k, generator=gen)
+    want = torch.zeros(t, h).index_add_(0, tok, y * w[tok, slot, None])
+    pos = M.positions(tok, slot, t, k)
+    got = M.combine(y, pos, w, torch.float32)
+    assert _rel(got, want) < 1e-6 and torch.equal(got[5], torch.zeros(h))
+    assert M.combine(y.to(torch.bfloat16), pos, w, torch.bfloat16).dtype == torch.bfloat16
+    # the same rows and positions from the routing computed on the device (no host synchronisation)
+    tok_d, pos_d, sel, offs = M._device_routing(idx, e)
+    assert torch.equal(tok_d[:tok.numel()], tok) and torch.equal(pos_d, pos)
+    assert sel.tolist() == [ex if counts_list[ex] or ex == e - 1 else -1 for ex in range(e)]
+    assert offs.tolist()[:-1] == torch.tensor(counts_list).cumsum(0).tolist()[:-1] and offs[-1] == t * k
 
 
 @pytest.mark.parametrize("tiers", [(3, 3, 3), (fmt.TERNARY, fmt.TERNARY, 4)])
@@ -514,9 +562,9 @@ def test_hadamard_moe_experts_kernel_path(L, M, tiers):
     M.PAIR_MAX_ROWS = 8
     y = M.hadamard_moe_experts(*args)
     assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
-    # four tokens: the prefill path, the routed experts decoded two at a time (ternary in its runtime layout, read
-    # with the padded codebook, as TurboQuantExperts holds it on a GPU)
-    M.PREFILL_SCRATCH_BYTES = 2 * 3 * inter * h * 4
+    # four tokens: the prefill path (ternary in its runtime layout, read with the padded codebook, as
+    # TurboQuantExperts holds it on a GPU): all the routed experts at once (the routing on the device), and for the
+    # ternary tiers (cheaper to interpret) also two at a time (the counts on the host)
     for i in range(3):
         packed, cb = parts[4 * i], parts[4 * i + 2]
         if cb.numel() == 3:
@@ -526,8 +574,10 @@ def test_hadamard_moe_experts_kernel_path(L, M, tiers):
     idx = torch.tensor([[1, 4, 0], [3, 5, 2], [2, 2, 1], [0, 3, 4]])
     wts = torch.rand(4, 3, generator=gen)
     ref = ops.turboquant_hadamard_moe_experts(hidden.float(), idx, wts, *parts, e, "silu")
-    y = M.hadamard_moe_experts(hidden, idx, wts, *parts, e, "silu")
-    assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
+    for scratch in (2 * 3 * inter * h * 4, 1 << 30) if tiers[0] == fmt.TERNARY else (1 << 30,):
+        M.PREFILL_SCRATCH_BYTES = scratch
+        y = M.hadamard_moe_experts(hidden, idx, wts, *parts, e, "silu")
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, (scratch, _rel(y, ref))
     # float32 activations at prefill: the torch reference itself
     assert torch.equal(M.hadamard_moe_experts(hidden.float(), idx, wts, *parts, e, "silu"), ref)
 

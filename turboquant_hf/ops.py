@@ -102,19 +102,23 @@ ACTIVATIONS = {
 
 def expert_groups(top_k_index: torch.Tensor, num_experts: int):
     """Routed (token, slot) pairs grouped by expert: (sorted token ids, sorted slot ids, per-expert counts as a
-    tensor on the indices' device and as a list). One host synchronisation (the counts and the number of negative
-    indices travel together).
+    tensor on the indices' device and as a list). One host synchronisation: the counts (and the number of
+    negative indices) are summed with a scatter, which needs no output size from the host, and travel together.
 
     Indices outside [0, num_experts) (some routers use num_experts as "no expert") are dropped.
     """
     k = top_k_index.shape[1]
-    flat = top_k_index.reshape(-1)
+    # every index outside [0, E) as -1 or E: the order is unchanged, and the keys fit 16 bits for a shorter sort
+    flat = top_k_index.reshape(-1).clamp(-1, num_experts)
+    if num_experts < 2**15 - 1:
+        flat = flat.to(torch.int16)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
-    host = torch.cat([counts, (flat < 0).sum().view(1)]).tolist()
-    counts_list, first = host[:-1], host[-1]  # (negative sentinels sort first)
+    bins = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device)
+    bins.scatter_add_(0, (flat.to(torch.int64) + 1), torch.ones(flat.shape, dtype=torch.int64, device=flat.device))
+    host = bins.tolist()
+    first, counts_list = host[0], host[1:-1]  # (negative sentinels sort first, those >= E last)
     order = order[first : first + sum(counts_list)]
-    return order // k, order % k, counts, counts_list
+    return order // k, order % k, bins[1:-1], counts_list
 
 
 def routed_groups(top_k_index: torch.Tensor, num_experts: int):
