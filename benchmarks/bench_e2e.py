@@ -1,15 +1,15 @@
 """The MoE layer and end-to-end batch-1 decode on one CUDA GPU: bf16 against TurboQuant, same run.
 
     python benchmarks/bench_e2e.py --md E2E.md --json e2e.json [--models llama8b qwen36] [--skip-moe]
-                                   [--compile llama8b]
+                                   [--moe-tokens 1 2048] [--compile llama8b]
     python benchmarks/bench_e2e.py --profile-moe     # where the MoE layer's time goes at 2048 tokens
 
 MoE layer (E = 256, top-8, H = 2048, I = 512, the Qwen3.6-35B-A3B experts): transformers' own fused
 bf16 experts module, with its "eager" implementation (a loop over the routed experts) and its "grouped_mm"
 one (`torch._grouped_mm`, the default of models from `from_pretrained` where the GPU supports it), against
 `TurboQuantExperts` holding the same weights quantized to 3 bits (and to ternary, in its runtime layout), at
-M = 1 and M = 2048 tokens, the same random routing for all; eager calls timed with CUDA events (the bf16
-loop synchronises with the host, so it cannot be captured), ours also as a CUDA-graph replay at M = 1.
+M = 1 and M = 2048 tokens (`--moe-tokens`), the same random routing for all; eager calls timed with CUDA events
+(the bf16 loop synchronises with the host, so it cannot be captured), ours also as a CUDA-graph replay at M = 1.
 
 End to end: models built from their configs with random weights (std 0.02) on the GPU, bf16 and
 quantized (the recipe's modules replaced exactly as `from_pretrained(..., quantization_config=...)`
@@ -78,7 +78,7 @@ def _graph_us(fn, reps: int = 50) -> float:
 # MoE layer
 # ---------------------------------------------------------------------------
 
-def bench_moe(e=256, k=8, h=2048, inter=512, g=128) -> list[dict]:
+def bench_moe(e=256, k=8, h=2048, inter=512, g=128, tokens=(1, 2048)) -> list[dict]:
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
 
@@ -95,7 +95,7 @@ def bench_moe(e=256, k=8, h=2048, inter=512, g=128) -> list[dict]:
         ours.down_proj.load_packed_(*codec.quantize_weight(base.down_proj.data, bits, g))
         tiers["ternary" if bits == 1.58 else "3"] = ours
     rows = []
-    for m in (1, 2048):
+    for m in tokens:
         x = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
         logits = torch.randn(m, e, device=DEV)
         w, idx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
@@ -367,6 +367,8 @@ def main() -> int:
     ap.add_argument("--models", nargs="*", default=["llama8b"])
     ap.add_argument("--recipes", nargs="*", default=["tq3"])
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--moe-tokens", nargs="+", type=int, default=[1, 2048], metavar="M",
+                    help="token counts the MoE layer is timed at (default: 1 2048)")
     ap.add_argument("--compile", nargs="*", default=[], metavar="MODEL",
                     help="also time these models with the forward compiled (torch.compile) before capture")
     ap.add_argument("--fuse", action="store_true",
@@ -381,7 +383,7 @@ def main() -> int:
     if args.profile_moe:
         print(profile_moe(), flush=True)
         return 0
-    moe = [] if args.skip_moe else bench_moe()
+    moe = [] if args.skip_moe else bench_moe(tokens=args.moe_tokens)
     e2e = []
     for key in args.models:
         recipes = args.recipes if key != "qwen36" else sorted(set(args.recipes) | {"tq3", "tq3a-tqTe"})
