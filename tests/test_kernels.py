@@ -499,6 +499,29 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
     M.PREFILL_ROTATED_BASIS = True  # (this copy's default again)
 
 
+def test_moe_scratch_budget_from_environment(L, monkeypatch):
+    """`TURBOQUANT_MOE_SCRATCH_MB` sets the prefill scratch budget; a value that is not a positive whole number of
+    MiB is refused with an error naming the variable."""
+    import turboquant_hf.kernels as kpkg
+
+    path = os.path.join(os.path.dirname(kpkg.__file__), "moe.py")
+
+    def load():
+        spec = importlib.util.spec_from_file_location("turboquant_hf.kernels._moe_budget", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    monkeypatch.delenv("TURBOQUANT_MOE_SCRATCH_MB", raising=False)
+    assert load().PREFILL_SCRATCH_BYTES == 1 << 30
+    monkeypatch.setenv("TURBOQUANT_MOE_SCRATCH_MB", "96")
+    assert load().PREFILL_SCRATCH_BYTES == 96 << 20
+    for bad in ("0", "-5", "1.5", "lots"):
+        monkeypatch.setenv("TURBOQUANT_MOE_SCRATCH_MB", bad)
+        with pytest.raises(ValueError, match="TURBOQUANT_MOE_SCRATCH_MB"):
+            load()
+
+
 @pytest.mark.parametrize("activation", ["silu", "relu", "gelu_pytorch_tanh", "gelu"])
 def test_act_mul_matches_torch(M, activation):
     """The gate/up activation kernel (silu, relu and tanh-GELU; exact GELU and strided inputs take torch ops)
