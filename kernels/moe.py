@@ -188,9 +188,10 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
 def _expert_chunks(counts, per_expert_bytes: int, grouped: bool):
     """The routed experts (those with tokens, in order) in chunks whose decoded matrices fit
     `PREFILL_SCRATCH_BYTES`: yields (start, stop) of the chunk's rows among the pairs sorted by expert, the
-    expert numbers (int32 tensor), the row count per expert and, for `torch._grouped_mm`, their end offsets.
+    expert numbers (int32 tensor), for `torch._grouped_mm` their end offsets (else None), and the row count per
+    expert.
 
-    `counts`: the per-expert counts as a device tensor and as a list (`_sorted_pairs`). The expert numbers of every
+    `counts`: the per-expert counts as a device tensor and as a list (`ops.expert_groups`). The expert numbers of every
     chunk come from one host-to-device copy (pinned, queued without waiting) and the offsets are summed on the
     device: a copy from pageable memory per chunk could wait for the stream, leaving the GPU idle while the host
     queues the next chunk's kernels."""
@@ -207,25 +208,19 @@ def _expert_chunks(counts, per_expert_bytes: int, grouped: bool):
         sizes = [counts[ex] for ex in active[c0:c0 + step]]
         sel = active_dev[c0:c0 + len(sizes)]
         offs = counts_dev.index_select(0, sel).cumsum(0, dtype=torch.int32) if grouped else None
-        yield start, start + sum(sizes), sel, sizes, offs
+        yield start, start + sum(sizes), sel, offs, sizes
         start += sum(sizes)
 
 
-def _expert_products(a: torch.Tensor, w: torch.Tensor, sizes: list, offs, grouped: bool) -> torch.Tensor:
-    """Rows `a` (grouped by expert, `sizes` rows each) times their experts' matrices `w` `(n, out, in)`."""
+def _expert_products(a: torch.Tensor, w: torch.Tensor, offs, sizes, grouped: bool) -> torch.Tensor:
+    """Rows `a` grouped by expert times their experts' matrices `w` `(n, out, in)`: `torch._grouped_mm` with the
+    groups' end offsets `offs` (a device tensor), or where it does not serve a product per expert over `sizes`
+    rows each (the host's counts; fetched from `offs` when None)."""
     if grouped:
         return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+    if sizes is None:
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     return torch.cat([torch.nn.functional.linear(part, w[i]) for i, part in enumerate(a.split(sizes))])
-
-
-def _sorted_pairs(hidden, top_k_index, e):
-    """The routed (token, slot) pairs sorted by expert (`ops.expert_groups`, one host synchronisation): their
-    token and slot ids, per-expert counts (the device tensor and a list), and whether `torch._grouped_mm` serves
-    them."""
-    from turboquant_hf.ops import expert_groups
-
-    tok, slot, counts, counts_list = expert_groups(top_k_index, e)
-    return tok, slot, (counts, counts_list), _grouped_mm_ok(hidden)
 
 
 def _device_routing(top_k_index: torch.Tensor, e: int):
@@ -252,35 +247,27 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
     return order // k, pos, sel, groups.cumsum(0, dtype=torch.int32)
 
 
-def _offset_products(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """Rows `a` grouped by expert (group i ends at row `offs[i]`) times the experts' matrices `w` `(E, out, in)`:
-    `torch._grouped_mm`, or where it does not serve, a product per expert (the sizes fetched to the host)."""
-    if grouped:
-        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-    return torch.cat([torch.nn.functional.linear(part, w[i]) for i, part in enumerate(a.split(sizes))])
-
-
 def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt: torch.dtype):
     """How a prefill runs its routed experts: (token id of each sorted pair, `positions` of the pairs, the chunks
-    as (start row, stop row, matrices to decode, end offsets, row counts or None), the product function).
+    as (start row, stop row, matrices to decode, end offsets, row counts or None), whether `torch._grouped_mm`
+    serves the products (`_expert_products`)).
 
     `widest`: the elements of an expert's largest matrix (decoded one projection at a time); `per_expert`: of all
     its matrices. One chunk with the routing on the device (no host synchronisation; `_device_routing`) where the
     pairs are at least as many as the experts and every expert's largest matrix fits `PREFILL_SCRATCH_BYTES` at
-    once; otherwise the counts come to the host (one synchronisation) and the routed experts are decoded in
-    chunks of `per_expert`-sized experts that fit."""
+    once; otherwise the counts come to the host (`ops.expert_groups`, one synchronisation) and the routed experts
+    are decoded in chunks of `per_expert`-sized experts that fit."""
+    from turboquant_hf.ops import expert_groups
+
     t, k = top_k_index.shape
     nbytes = torch.finfo(wdt).bits // 8
     grouped = _grouped_mm_ok(hidden)
     if t * k >= e and e * widest * nbytes <= PREFILL_SCRATCH_BYTES:
         tok, pos, sel, offs = _device_routing(top_k_index, e)
-        return tok, pos, [(0, t * k, sel, offs, None)], lambda a, w, offs, sizes: _offset_products(a, w, offs, grouped)
-    tok, slot, counts, grouped = _sorted_pairs(hidden, top_k_index, e)
-    chunks = [(start, stop, sel, offs, sizes) for start, stop, sel, sizes, offs in
-              _expert_chunks(counts, per_expert * nbytes, grouped)]
-    return tok, positions(tok, slot, t, k), chunks, lambda a, w, offs, sizes: _expert_products(a, w, sizes, offs,
-                                                                                                grouped)
+        return tok, pos, [(0, t * k, sel, offs, None)], grouped
+    tok, slot, counts, counts_list = expert_groups(top_k_index, e)
+    chunks = list(_expert_chunks((counts, counts_list), per_expert * nbytes, grouped))
+    return tok, positions(tok, slot, t, k), chunks, grouped
 
 
 def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1,
@@ -297,14 +284,14 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
     wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
     rotated = PREFILL_ROTATED_BASIS
     x_all = L.rotate(hidden, s1, s2, g, wdt) if rotated else hidden.to(wdt)
-    tok, pos, chunks, products = _prefill_plan(hidden, top_k_index, e, 2 * inter * h, 3 * inter * h, wdt)
+    tok, pos, chunks, grouped = _prefill_plan(hidden, top_k_index, e, 2 * inter * h, 3 * inter * h, wdt)
     x = x_all[tok]  # the routed pairs' tokens, sorted by expert
     y = None if len(chunks) == 1 else torch.empty(tok.numel(), h, dtype=wdt, device=hidden.device)
     for start, stop, sel, offs, sizes in chunks:
         n_mat = sel.numel()
         unrot = () if rotated else (s1, s2, h)
         w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, *unrot, select=sel, select_rows=2 * inter)
-        gu = products(x[start:stop], w_gu.view(n_mat, 2 * inter, -1), offs, sizes)
+        gu = _expert_products(x[start:stop], w_gu.view(n_mat, 2 * inter, -1), offs, sizes, grouped)
         del w_gu
         mid = act_mul(gu, inter, activation, wdt)
         del gu
@@ -312,7 +299,7 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
             mid = L.rotate(mid, s1, s2, g, wdt)
         unrot = () if rotated else (s1, s2, inter)
         w_d = L.dequantize_lut(d_packed, d_norms, d_cb, g, wdt, *unrot, select=sel, select_rows=h)
-        part = products(mid, w_d.view(n_mat, h, -1), offs, sizes)
+        part = _expert_products(mid, w_d.view(n_mat, h, -1), offs, sizes, grouped)
         del w_d
         if y is None:
             y = part
@@ -420,7 +407,7 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     inter = gate_norms.shape[0] // e
     g_h, g_i = h // gate_norms.shape[1], inter // down_norms.shape[1]
     wdt = torch.float32 if L._interpreting() else hidden.dtype
-    tok, pos, chunks, products = _prefill_plan(hidden, top_k_index, e, inter * h, 3 * inter * h, wdt)
+    tok, pos, chunks, grouped = _prefill_plan(hidden, top_k_index, e, inter * h, 3 * inter * h, wdt)
     x = hidden.to(torch.float32)
     xg = rotation.rotate_rows(x, gate_signs.float())
     xu = xg if torch.equal(gate_signs, up_signs) else rotation.rotate_rows(x, up_signs.float())
@@ -430,14 +417,14 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     for start, stop, sel, offs, sizes in chunks:
         n = sel.numel()
         w_g = L.dequantize_lut(gate_packed, gate_norms, gate_codebook, g_h, wdt, select=sel, select_rows=inter)
-        gate = products(xg[start:stop], w_g.view(n, inter, h), offs, sizes).float()
+        gate = _expert_products(xg[start:stop], w_g.view(n, inter, h), offs, sizes, grouped).float()
         del w_g
         w_u = L.dequantize_lut(up_packed, up_norms, up_codebook, g_h, wdt, select=sel, select_rows=inter)
-        up = products(xu[start:stop], w_u.view(n, inter, h), offs, sizes).float()
+        up = _expert_products(xu[start:stop], w_u.view(n, inter, h), offs, sizes, grouped).float()
         del w_u
         mid = rotation.rotate_rows(act(gate) * up, d_signs).to(wdt)
         w_d = L.dequantize_lut(down_packed, down_norms, down_codebook, g_i, wdt, select=sel, select_rows=h)
-        part = products(mid, w_d.view(n, h, inter), offs, sizes)
+        part = _expert_products(mid, w_d.view(n, h, inter), offs, sizes, grouped)
         del w_d
         if y is None:
             y = part
