@@ -231,18 +231,16 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
 
     Pairs routed to no expert (indices outside [0, E)) sort last and join the last expert's group, which is then
     decoded, so that every row lies inside the offsets (their results are never read)."""
+    from turboquant_hf.ops import sort_routing
+
     t, k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    keys = torch.where((flat >= 0) & (flat < e), flat, e).to(torch.int64)
-    order = torch.argsort(keys.to(torch.int16) if e < 2**15 - 1 else keys, stable=True)
-    counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    order, counts = sort_routing(top_k_index, e)
     groups = counts[:e].clone()
     groups[-1] += counts[e]
-    arange = torch.arange(t * k, dtype=torch.int32, device=flat.device)
+    arange = torch.arange(t * k, dtype=torch.int32, device=order.device)
     sel = torch.where(groups > 0, arange[:e], -1)
-    live = keys.index_select(0, order) < e
-    pos = torch.empty(t * k, dtype=torch.int32, device=flat.device)
+    live = arange < counts[:e].sum()  # (the pairs routed to no expert sort last)
+    pos = torch.empty(t * k, dtype=torch.int32, device=order.device)
     pos.index_copy_(0, order, torch.where(live, arange, -1))
     return order // k, pos, sel, groups.cumsum(0, dtype=torch.int32)
 
