@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import linear as L
+from .linear import _byte_tables, _load_units, _lut_tile
 
 # Most (token, slot) pairs served by the pair GEMV path.
 PAIR_MAX_ROWS = 64
@@ -57,6 +58,10 @@ PREFILL_SCRATCH_BYTES = _scratch_bytes()
 # Prefill: rotate the activations and decode the experts in the rotated basis (True), or decode the experts with
 # the rotation undone on the tensor cores and multiply the activations as they are (False).
 PREFILL_ROTATED_BASIS = True
+# Prefill: the routed experts decoded inside the grouped products (`routed_lut_mm`: no scratch buffer, no host
+# synchronisation) for up to this many (token, slot) pairs; above it, decoded into the scratch buffer for
+# `torch._grouped_mm` (`_grouped_decoded`). 0: never fused.
+FUSED_MAX_PAIRS = 1 << 62
 
 
 def _activation(name: str):
@@ -168,6 +173,9 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
                    unit_d if sixteen else 0)
         out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
         return out.to(hidden.dtype)
+    if sixteen and unit_gu and unit_d and t * k <= FUSED_MAX_PAIRS:
+        return _fused_routed(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
+                             down_packed, down_norms, down_codebook, s1, s2, group_size, e, activation, inter)
     if sixteen and unit_gu and unit_d:
         return _grouped_decoded(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
                                 down_packed, down_norms, down_codebook, s1, s2, group_size, e, activation, inter)
@@ -237,12 +245,29 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
     order, counts = sort_routing(top_k_index, e)
     groups = counts[:e].clone()
     groups[-1] += counts[e]
-    arange = torch.arange(t * k, dtype=torch.int32, device=order.device)
+    arange = torch.arange(max(t * k, e), dtype=torch.int32, device=order.device)
     sel = torch.where(groups > 0, arange[:e], -1)
-    live = arange < counts[:e].sum()  # (the pairs routed to no expert sort last)
+    live = arange[:t * k] < counts[:e].sum()  # (the pairs routed to no expert sort last)
     pos = torch.empty(t * k, dtype=torch.int32, device=order.device)
-    pos.index_copy_(0, order, torch.where(live, arange, -1))
+    pos.index_copy_(0, order, torch.where(live, arange[:t * k], -1))
     return order // k, pos, sel, groups.cumsum(0, dtype=torch.int32)
+
+
+def _decoded_on_device(pairs: int, e: int, widest_bytes: int) -> bool:
+    """Whether the decoded prefill keeps its routing on the device: at least as many pairs as experts, and every
+    expert's largest decoded matrix (`widest_bytes` each) fits `PREFILL_SCRATCH_BYTES` at once."""
+    return pairs >= e and e * widest_bytes <= PREFILL_SCRATCH_BYTES
+
+
+def host_waits(pairs: int, e: int, widest_bytes: int, lookup: bool = True) -> bool:
+    """Whether `moe_experts` over `pairs` (token, slot) pairs waits for the host (so cannot be captured in a CUDA
+    graph): never at decode (`PAIR_MAX_ROWS`) or in the fused routed products (`lookup`: 16-bit activations and
+    2-, 3-, 4-bit or runtime-layout ternary experts, up to `FUSED_MAX_PAIRS`); in the decoded prefill unless
+    `_decoded_on_device` (`widest_bytes`: an expert's decoded gate/up matrix); always in the per-expert products of
+    the other tiers."""
+    if pairs <= PAIR_MAX_ROWS or (lookup and pairs <= FUSED_MAX_PAIRS):
+        return False
+    return not (lookup and _decoded_on_device(pairs, e, widest_bytes))
 
 
 def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt: torch.dtype):
@@ -260,7 +285,7 @@ def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt
     t, k = top_k_index.shape
     nbytes = torch.finfo(wdt).bits // 8
     grouped = _grouped_mm_ok(hidden)
-    if t * k >= e and e * widest * nbytes <= PREFILL_SCRATCH_BYTES:
+    if _decoded_on_device(t * k, e, widest * nbytes):
         tok, pos, sel, offs = _device_routing(top_k_index, e)
         return tok, pos, [(0, t * k, sel, offs, None)], grouped
     tok, slot, counts, counts_list = expert_groups(top_k_index, e)
@@ -303,6 +328,22 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
             y = part
         else:
             y[start:stop] = part
+    return combine(y, pos, top_k_weights, hidden.dtype)
+
+
+def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2, g,
+                  e, activation, inter):
+    """Prefill with the experts decoded inside the products: the tokens rotated once, the pairs sorted by expert on
+    the device (`_device_routing`), the gate/up product reading each pair's token row directly (`routed_lut_mm`),
+    `act_mul`, the intermediate rows rotated, the down product, `combine`. No host synchronisation, no scratch
+    buffer; only the routed experts' weights are read (a block of rows of one expert at a time)."""
+    wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
+    x = L.rotate(hidden, s1, s2, g, wdt)
+    tok, pos, _, offs = _device_routing(top_k_index, e)
+    gu = routed_lut_mm(x, offs, gu_packed, gu_norms, gu_cb, g, e, wdt, xrow=tok)
+    mid = L.rotate(act_mul(gu, inter, activation, wdt), s1, s2, g, wdt)
+    del gu
+    y = routed_lut_mm(mid, offs, d_packed, d_norms, d_cb, g, e, wdt)
     return combine(y, pos, top_k_weights, hidden.dtype)
 
 
@@ -369,6 +410,8 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
     sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
     if t and t * k > PAIR_MAX_ROWS and sixteen and all(  # (lut_unit: 0 where a group is smaller than a unit)
             L.lut_unit(cb.numel(), g) for cb, g in ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i))):
+        if t * k <= FUSED_MAX_PAIRS:
+            return _hadamard_fused_routed(*args[:15], e, act)
         return _hadamard_grouped_decoded(*args[:15], e, act)
     if t == 0 or t * k > PAIR_MAX_ROWS or not whole_units:
         return ops.turboquant_hadamard_moe_experts(*args)
@@ -392,6 +435,31 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
     return out.to(hidden.dtype)
 
 
+def _hadamard_fused_routed(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs,
+                           up_packed, up_norms, up_codebook, up_signs, down_packed, down_norms, down_codebook,
+                           down_signs, e, act):
+    """Prefill of whole-row-Hadamard experts with the experts decoded inside the products (`routed_lut_mm`): the
+    tokens rotated once per projection's signs, the pairs sorted by expert on the device, gate and up products
+    reading each pair's token row directly, the intermediate rows rotated with the down projection's signs, the
+    down product, `combine`. No host synchronisation and no scratch buffer."""
+    from turboquant_hf import rotation
+
+    h = hidden.shape[1]
+    inter = gate_norms.shape[0] // e
+    g_h, g_i = h // gate_norms.shape[1], inter // down_norms.shape[1]
+    wdt = torch.float32 if L._interpreting() else hidden.dtype
+    tok, pos, _, offs = _device_routing(top_k_index, e)
+    x = hidden.to(torch.float32)
+    xg = rotation.rotate_rows(x, gate_signs.float()).to(wdt)
+    xu = xg if up_signs is gate_signs else rotation.rotate_rows(x, up_signs.float()).to(wdt)
+    gate = routed_lut_mm(xg, offs, gate_packed, gate_norms, gate_codebook, g_h, e, wdt, xrow=tok).float()
+    up = routed_lut_mm(xu, offs, up_packed, up_norms, up_codebook, g_h, e, wdt, xrow=tok).float()
+    mid = rotation.rotate_rows(act(gate) * up, down_signs.float()).to(wdt)
+    del gate, up
+    y = routed_lut_mm(mid, offs, down_packed, down_norms, down_codebook, g_i, e, wdt)
+    return combine(y, pos, top_k_weights, hidden.dtype)
+
+
 def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs,
                               up_packed, up_norms, up_codebook, up_signs, down_packed, down_norms, down_codebook,
                               down_signs, e, act):
@@ -408,7 +476,7 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     tok, pos, chunks, grouped = _prefill_plan(hidden, top_k_index, e, inter * h, 3 * inter * h, wdt)
     x = hidden.to(torch.float32)
     xg = rotation.rotate_rows(x, gate_signs.float())
-    xu = xg if torch.equal(gate_signs, up_signs) else rotation.rotate_rows(x, up_signs.float())
+    xu = xg if up_signs is gate_signs else rotation.rotate_rows(x, up_signs.float())
     xg, xu = xg[tok].to(wdt), xu[tok].to(wdt)  # the routed pairs' rows, sorted by expert
     d_signs = down_signs.float()
     y = None if len(chunks) == 1 else torch.empty(tok.numel(), h, dtype=wdt, device=hidden.device)
@@ -429,3 +497,110 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
         else:
             y[start:stop] = part
     return combine(y, pos, top_k_weights, hidden.dtype)
+
+
+# ---------------------------------------------------------------------------
+# fused routed products: the experts decoded inside a grouped matrix product
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, stride_x, stride_o,
+                          E: tl.constexpr, EP: tl.constexpr, NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr,
+                          UPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, TUNED: tl.constexpr,
+                          USE_ASM: tl.constexpr, GATHER: tl.constexpr):
+    """Rows grouped by expert (group e ends at `offs[e]`) times their experts' rotated-basis matrices, each weight
+    tile decoded in registers (byte-permute lookups, group norm) and fed straight to the tensor cores as the left
+    operand: `out[r, n] = sum_k x[src(r), k] * norm * codebook[idx]` of row n of expert e(r), with no decoded
+    weight in memory.
+
+    Program (b, j): block b of BM rows inside one expert's group (the block's expert is found from the group
+    sizes, so the grid is a bound known without the counts: blocks past the last group return at once), weight
+    rows j*BN ... of that expert. GATHER: row r reads x row `xrow[r]` (the routed pairs' tokens), else row r."""
+    WPU: tl.constexpr = 3 if NLEV == 8 else 1
+    NUT: tl.constexpr = NG * UPG
+    b = tl.program_id(0)
+    ee = tl.arange(0, EP)
+    ends = tl.load(offs_ptr + ee, mask=ee < E, other=0)
+    starts = tl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
+    blocks = (tl.maximum(ends - starts, 0) + BM - 1) // BM
+    last = tl.cumsum(blocks, 0)  # (blocks of groups 0..e)
+    ex = tl.sum((last <= b).to(tl.int32), 0)
+    if ex >= E:
+        return
+    pick = ee == ex
+    row0 = tl.sum(tl.where(pick, starts + (b - (last - blocks)) * BM, 0), 0)
+    end = tl.sum(tl.where(pick, ends, 0), 0)
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < end
+    rows = tl.minimum(rows, end - 1)
+    if GATHER:
+        src = tl.load(xrow_ptr + rows).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    nn = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = nn < N
+    wrow = ex.to(tl.int64) * N + tl.minimum(nn, N - 1)  # (clamped: loads in bounds, extra rows not stored)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV)
+    kk = tl.arange(0, G)
+    ru = tl.arange(0, UPG)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for gi in tl.range(0, NG):
+        rs = wrow * NG + gi
+        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], None, WPU, TUNED, wrow[:, None], NUT)
+        v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, USE_ASM), [BN, G])
+        v = v * tl.load(nrm_ptr + rs).to(tl.float32)[:, None]
+        xt = tl.load(x_ptr + src[None, :] * stride_x + (gi * G + kk)[:, None])
+        if USE_ASM:  # 16-bit operands, float32 accumulation
+            acc = tl.dot(v.to(xt.dtype), xt, acc)
+        else:  # (the interpreter: float32 throughout)
+            acc = tl.dot(v, xt.to(tl.float32), acc, input_precision="ieee")
+    optr = out_ptr + rows.to(tl.int64)[None, :] * stride_o + nn[:, None]
+    tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & rmask[None, :])
+
+
+def _routed_config(pairs: int, e: int) -> tuple[int, int]:
+    """(rows per block, weight rows per program) of `routed_lut_mm`: blocks of twice the mean group size rounded up
+    to a power of two, 16 to 128 (a group seldom spans two blocks, so each routed expert's tiles are decoded about
+    once), 64 weight rows for the smallest blocks and 128 otherwise. H200, 3-bit, Qwen3.6 experts (E = 256, top-8),
+    gate/up and down us, best of 16-256 x 64-256 x 4-8 warps: mean group 1 (M = 32) 16 x 64: 144 / 81;
+    8 (M = 256) 16 x 64: 213 / 119; 16 (M = 512) 32 x 128: 240 / 134; 32 (M = 1024) 64 x 128: 283 / 178;
+    64 (M = 2048) 128 x 128: 334 / 222 (64 x 128: 424 / 255); 256 (M = 8192) 128 x 128: 803 / 543. Four warps
+    throughout (eight were slower everywhere; 256-row blocks spill)."""
+    mean = max(1, -(-pairs // e))
+    bm = max(16, min(128, triton.next_power_of_2(2 * mean)))
+    return bm, 64 if bm == 16 else 128
+
+
+def routed_lut_mm(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor,
+                  codebook: torch.Tensor, group_size: int, num_experts: int, out_dtype: torch.dtype,
+                  xrow: torch.Tensor | None = None, block_rows: int = 0, block_n: int = 0,
+                  warps: int = 4) -> torch.Tensor:
+    """Rows grouped by expert times their experts' packed matrices, decoded inside the product (no scratch
+    buffer, no host synchronisation): `(P, rows per expert)` in `out_dtype`.
+
+    `x`: rotated-basis activations `(T, n_groups*G)`; `xrow` (int32 `(P,)`): row r of the product reads x row
+    `xrow[r]` (default: row r, and then P = T); `offs` (int32 `(E,)`): the groups' end offsets, rows `offs[e-1]
+    ... offs[e]` belong to expert e (rows past `offs[-1]` are not written). `packed`/`norms`: E stacked
+    matrices, 2-, 3- or 4-bit (ternary in its runtime layout), as `dequantize_lut` reads them."""
+    rows, ng = norms.shape
+    n = rows // num_experts
+    p = xrow.numel() if xrow is not None else x.shape[0]
+    if x.shape[1] != ng * group_size:
+        raise ValueError(f"activations of width {x.shape[1]} for a weight of {ng} groups of {group_size}")
+    out = torch.empty(p, n, dtype=out_dtype, device=x.device)
+    per = L.lut_unit(codebook.numel(), group_size)
+    if not per:
+        raise ValueError(f"the fused routed product serves 4-, 8- and 16-entry codebooks, not {codebook.numel()}")
+    if p == 0 or n == 0:
+        return out
+    bm, bn = _routed_config(p, num_experts)
+    bm, bn = block_rows or bm, block_n or bn
+    grid = (min(num_experts, p) + p // bm, triton.cdiv(n, bn))
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    _routed_lut_mm_kernel[grid](xs, xrow if xrow is not None else offs, offs, L._packed_view(packed, 1),
+                                norms.contiguous(), L._f32(codebook), out, n, xs.stride(0), out.stride(0),
+                                E=num_experts, EP=triton.next_power_of_2(num_experts), NG=ng,
+                                NLEV=codebook.numel(), G=group_size, UPG=group_size // per, BN=bn, BM=bm,
+                                TUNED=L._tuned(packed, codebook.numel()), USE_ASM=not L._interpreting(),
+                                GATHER=xrow is not None, num_warps=warps)
+    return out

@@ -481,11 +481,15 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
         cb_k = layout.runtime_codebook(cb)
     M.PAIR_MAX_ROWS = 8  # (this copy only) 2 tokens x top-3 take the pair path, 4 tokens the grouped one
     chunked = 2 * (3 * inter * h) * 4  # two experts' float32 weights a chunk (the host-synchronised path)
-    # the grouped path: chunks, then every expert at once (routing on the device), rotated basis or not
-    settings = [(None, True), (chunked, True), (1 << 30, True)] + ([(1 << 30, False)] if bits == 3 else [])
-    for scratch, rotated in settings:
+    # the prefill paths: the fused routed products, then decoded into the scratch buffer in chunks, then every
+    # expert at once (routing on the device), rotated basis or not
+    fused = 1 << 62
+    settings = [(None, True, fused), (chunked, True, fused), (chunked, True, 0), (1 << 30, True, 0)] + (
+        [(1 << 30, False, 0)] if bits == 3 else [])
+    for scratch, rotated, fused_max in settings:
         t = 2 if scratch is None else 4
         M.PREFILL_SCRATCH_BYTES, M.PREFILL_ROTATED_BASIS = scratch or chunked, rotated
+        M.FUSED_MAX_PAIRS = fused_max
         hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
         top_k_index = torch.randint(0, e, (t, 3), generator=gen)
         top_k_index[0, 1] = e  # "no expert"
@@ -495,8 +499,41 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
         ref = ops.turboquant_moe_experts(hidden.float(), *args[1:])
         y = M.moe_experts(hidden, top_k_index, top_k_weights, gu_k, gu_n, cb_k, d_k, d_n, cb_k, s1, s2, g, e, "silu")
         assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
-        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, _rel(y, ref))
-    M.PREFILL_ROTATED_BASIS = True  # (this copy's default again)
+        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, _rel(y, ref))
+    M.PREFILL_ROTATED_BASIS, M.FUSED_MAX_PAIRS = True, 1 << 62  # (this copy's defaults again)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, fmt.TERNARY])
+@pytest.mark.parametrize("g", [64, 128])
+def test_routed_lut_mm_matches_reference(L, M, bits, g):
+    """The fused routed product (experts decoded inside the grouped product) against float64 products of each
+    expert's rotated-basis weight (`codec.rotated_weight`): rows gathered from the tokens or read in order, groups of
+    uneven sizes with empty experts, weight rows not a multiple of the tile, blocks of 16 and 32 rows; also fewer
+    rows than experts. Runtime layouts as TurboQuantExperts holds them on a GPU (ternary as 2-bit codes)."""
+    e, n, k = 4, 40, 256
+    packed, norms, cb, _, _ = _weight(e * n, k, bits, g, seed=70 + g + int(bits * 10))
+    ng = norms.shape[1]
+    rot = codec.rotated_weight(packed, norms, cb, g).double().view(e, n, ng * g)
+    nl = cb.numel()
+    if nl == 3:
+        pk, kcb = layout.to_runtime(packed, 3, g, ng), layout.pairs_codebook(cb)
+    else:
+        pk = layout.to_runtime(packed, nl, g, ng) if layout.supports(nl, g) else packed
+        kcb = _kcb(pk, cb)
+    gen = torch.Generator().manual_seed(g + nl)
+    x = torch.randn(9, ng * g, generator=gen)
+    for sizes, block_rows in (([7, 0, 19, 5], 16), ([7, 0, 19, 5], 32), ([0, 2, 0, 1], 0)):
+        p = sum(sizes)
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        xrow = torch.randint(0, 9, (p,), generator=gen, dtype=torch.int32)
+        y = M.routed_lut_mm(x, offs, pk, norms, kcb, g, e, torch.float32, xrow=xrow, block_rows=block_rows)
+        y_direct = M.routed_lut_mm(x[xrow.long()], offs, pk, norms, kcb, g, e, torch.float32, block_rows=block_rows)
+        assert y.shape == (p, n) and torch.equal(y, y_direct)
+        want = torch.cat([x[xrow[s:s + c].long()].double() @ rot[ex].T
+                          for ex, (s, c) in enumerate(zip((offs - torch.tensor(sizes)).tolist(), sizes))])
+        assert 1e-6 < _rel(y, want) < 4e-3, (sizes, block_rows, _rel(y, want))
+    with pytest.raises(ValueError, match="width"):
+        M.routed_lut_mm(x[:, :g], offs, pk, norms, kcb, g, e, torch.float32)
 
 
 def test_moe_scratch_budget_from_environment(L, monkeypatch):
@@ -586,8 +623,9 @@ def test_hadamard_moe_experts_kernel_path(L, M, tiers):
     y = M.hadamard_moe_experts(*args)
     assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
     # four tokens: the prefill path (ternary in its runtime layout, read with the padded codebook, as
-    # TurboQuantExperts holds it on a GPU): all the routed experts at once (the routing on the device), and for the
-    # ternary tiers (cheaper to interpret) also two at a time (the counts on the host)
+    # TurboQuantExperts holds it on a GPU): the fused routed products; the routed experts decoded all at once
+    # (the routing on the device), and for the ternary tiers (cheaper to interpret) also two at a time (the counts
+    # on the host)
     for i in range(3):
         packed, cb = parts[4 * i], parts[4 * i + 2]
         if cb.numel() == 3:
@@ -597,10 +635,13 @@ def test_hadamard_moe_experts_kernel_path(L, M, tiers):
     idx = torch.tensor([[1, 4, 0], [3, 5, 2], [2, 2, 1], [0, 3, 4]])
     wts = torch.rand(4, 3, generator=gen)
     ref = ops.turboquant_hadamard_moe_experts(hidden.float(), idx, wts, *parts, e, "silu")
-    for scratch in (2 * 3 * inter * h * 4, 1 << 30) if tiers[0] == fmt.TERNARY else (1 << 30,):
-        M.PREFILL_SCRATCH_BYTES = scratch
+    # (the experts decoded inside the products, then into the scratch buffer)
+    settings = [(1 << 62, 1 << 30), (0, 1 << 30)] + ([(0, 2 * 3 * inter * h * 4)] if tiers[0] == fmt.TERNARY else [])
+    for fused, scratch in settings:
+        M.FUSED_MAX_PAIRS, M.PREFILL_SCRATCH_BYTES = fused, scratch
         y = M.hadamard_moe_experts(hidden, idx, wts, *parts, e, "silu")
-        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, (scratch, _rel(y, ref))
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, (fused, scratch, _rel(y, ref))
+    M.FUSED_MAX_PAIRS = 1 << 62  # (this copy's default again)
     # float32 activations at prefill: the torch reference itself
     assert torch.equal(M.hadamard_moe_experts(hidden.float(), idx, wts, *parts, e, "silu"), ref)
 
@@ -812,8 +853,8 @@ def _cuda_check(bits) -> int:
                 ok = y.shape == (m, n) and err < 1e-2
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} bits={bits} M={m} config {cfg} rel_err={err:.2e}")
-    # the MoE op on CUDA (pair path at decode, grouped path for many tokens) against the CPU reference,
-    # and the decode path inside a CUDA graph
+    # the MoE op on CUDA (pair path at decode, the fused routed products for many tokens: blocks of 32 rows at
+    # T = 40, of 128 at T = 300) against the CPU reference, and both inside a CUDA graph
     e, h, inter, g = 16, 512, 256, 128
     gu_p, gu_n = codec.quantize_weight(torch.randn(e, 2 * inter, h), bits, g)
     d_p, d_n = codec.quantize_weight(torch.randn(e, h, inter), bits, g)
@@ -828,7 +869,7 @@ def _cuda_check(bits) -> int:
         cb_rt = layout.runtime_codebook(dev_w[2])
         weights.append(("runtime", [layout.to_runtime(dev_w[0], nl, g, h // g), dev_w[1], cb_rt,
                                     layout.to_runtime(dev_w[3], nl, g, inter // g), dev_w[4], cb_rt, *dev_w[6:]]))
-    for (name, wl), t in [(w, t) for w in weights for t in (1, 3, 40)]:
+    for (name, wl), t in [(w, t) for w in weights for t in (1, 3, 40, 300)]:
         hidden = torch.randn(t, h).to(torch.bfloat16)
         idx = torch.randint(0, e, (t, 4))
         wts = torch.rand(t, 4)
@@ -838,25 +879,26 @@ def _cuda_check(bits) -> int:
         ok = err < 1.5e-2 and y.dtype == torch.bfloat16
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} moe_experts bits={bits} {name} T={t} rel_err={err:.2e}")
-    static_h = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
-    static_i = torch.randint(0, e, (1, 4), device=dev)
-    static_w = torch.rand(1, 4, device=dev)
-    torch.ops.turboquant.moe_experts(static_h, static_i, static_w, *dev_w, g, e, "silu")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = torch.ops.turboquant.moe_experts(static_h, static_i, static_w, *dev_w, g, e, "silu")
-    hn, inn, wn = torch.randn(1, h).to(torch.bfloat16), torch.randint(0, e, (1, 4)), torch.rand(1, 4)
-    static_h.copy_(hn.to(dev))
-    static_i.copy_(inn.to(dev))
-    static_w.copy_(wn.to(dev))
-    graph.replay()
-    torch.cuda.synchronize()
-    err = _rel(static_y, ops.turboquant_moe_experts(hn.float(), inn, wn, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e,
-                                                    "silu"))
-    ok = err < 1.5e-2
-    failures += not ok
-    print(f"{'ok  ' if ok else 'FAIL'} moe_experts CUDA graph rel_err={err:.2e}")
+    for t in (1, 40):  # the decode path and the fused routed products, captured and replayed with new inputs
+        static_h = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        static_i = torch.randint(0, e, (t, 4), device=dev)
+        static_w = torch.rand(t, 4, device=dev)
+        torch.ops.turboquant.moe_experts(static_h, static_i, static_w, *weights[-1][1], g, e, "silu")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = torch.ops.turboquant.moe_experts(static_h, static_i, static_w, *weights[-1][1], g, e, "silu")
+        hn, inn, wn = torch.randn(t, h).to(torch.bfloat16), torch.randint(0, e, (t, 4)), torch.rand(t, 4)
+        static_h.copy_(hn.to(dev))
+        static_i.copy_(inn.to(dev))
+        static_w.copy_(wn.to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = _rel(static_y, ops.turboquant_moe_experts(hn.float(), inn, wn, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g,
+                                                        e, "silu"))
+        ok = err < 1.5e-2
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} moe_experts CUDA graph T={t} rel_err={err:.2e}")
     if bits != 3:
         print(f"cuda check bits={bits}: {failures} failure(s)")
         return failures
