@@ -9,8 +9,9 @@ bf16 experts module, with its "eager" implementation (a loop over the routed exp
 one (`torch._grouped_mm`, the default of models from `from_pretrained` where the GPU supports it), against
 `TurboQuantExperts` holding the same weights quantized to 3 bits (and to ternary, in its runtime layout), at
 M = 1 and M = 2048 tokens (`--moe-tokens`), the same random routing for all; eager calls timed with CUDA events,
-and CUDA-graph replays where a path never waits for the host (bf16 grouped_mm; ours at decode and at prefill
-with the routing on the device; the bf16 loop synchronises with the host, so it cannot be captured).
+and CUDA-graph replays where a path never waits for the host (bf16 grouped_mm; ours wherever
+`kernels.moe.host_waits` says so: at decode and in the fused routed products, every M here; the bf16 loop
+synchronises with the host, so it cannot be captured).
 
 End to end: models built from their configs with random weights (std 0.02) on the GPU, bf16 and
 quantized (the recipe's modules replaced exactly as `from_pretrained(..., quantization_config=...)`
@@ -124,11 +125,9 @@ def bench_moe(e=256, k=8, h=2048, inter=512, g=128, tokens=(1, 2048)) -> list[di
             for bits, ours in tiers.items():
                 yo = ours(x, idx, w)
                 t_o = _events_us(lambda: ours(x, idx, w))
-                # ours is capturable where it does not synchronise with the host: the decode path, and the prefill
-                # with the routing on the device (pairs >= experts, every expert's gate/up matrix in the scratch)
-                sync_free = m * k <= KM.PAIR_MAX_ROWS or (
-                    m * k >= e and e * 2 * inter * h * 2 <= KM.PREFILL_SCRATCH_BYTES)
-                t_og = _graph_us(lambda: ours(x, idx, w)) if sync_free else float("nan")
+                # ours is captured wherever it does not wait for the host
+                waits = KM.host_waits(m * k, e, 2 * inter * h * 2)
+                t_og = float("nan") if waits else _graph_us(lambda: ours(x, idx, w))
                 rel_vs_bf16 = ((yo.float() - yb.float()).norm() / yb.float().norm()).item()
                 t_b, t_bg = base_t["eager"][0], base_t["grouped_mm"][0]
                 row = dict(part="moe", bits=bits, M=m, us_bf16=t_b, us_bf16_grouped=t_bg, us_bf16_grouped_graph=t_bgg,
@@ -355,7 +354,7 @@ def markdown(env: dict, moe: list[dict], e2e: list[dict], command: str) -> str:
                 "bf16: transformers' experts module, \"eager\" (its loop over routed experts) and \"grouped_mm\" "
                 "(its default for `from_pretrained` models); ratios are bf16 time / ours (> 1: ours faster). Eager "
                 "calls, and CUDA-graph replays where the path never waits for the host (bf16 grouped_mm; ours at "
-                "decode and at prefill with the routing on the device); the graph columns are the device's time.", "",
+                "decode and in the fused routed products); the graph columns are the device's time.", "",
                 "| M | bits | bf16 eager us | bf16 grouped_mm us | bf16 grouped_mm us (CUDA graph) | ours us (eager) | "
                 "ours us (CUDA graph) | vs eager: ours eager | vs grouped_mm: ours eager | vs grouped_mm eager: ours "
                 "graph | graph vs graph | rel. diff vs bf16 |",
