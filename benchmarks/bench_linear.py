@@ -637,7 +637,7 @@ def main() -> int:
         for label, k, n in [s for s in shapes if (s[1], s[2]) in ((4096, 14336), (8192, 28672))] or shapes[:1]:
             for bits in (fmt.TERNARY, 2, 4):
                 case = Case(k, n, bits)
-                for m in [v for v in ms if v <= 16]:
+                for m in [v for v in ms if v <= max(16, L.MID_MAX_M)]:  # (the GEMV tiers)
                     r = bench_case(case, m, peer=run_peer)
                     rows.append(r)
                     print(json.dumps(r), flush=True)

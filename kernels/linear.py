@@ -34,7 +34,13 @@ codes, read with `layout.runtime_codebook`):
      shared-memory round trip), each block's product scaled by its group
      norm; ternary (`_gemv_dot_kernel`) decodes one group per step to a
      `[BN, G]` tile with selects. Float32 accumulation.
-   - prefill (M > DOT_MAX_M): `dequantize_lut` writes the weight itself to a
+   - `gemv_dot` again for 16-bit activations and 2-, 3- and 4-bit weights
+     up to MID_MAX_M rows (`_mid_config`): 32 activation rows a program, so
+     each decoded weight tile feeds twice as many rows before the next is
+     decoded (rows of 64 weight rows from 8192 outputs up). Below that
+     bound decoding every tile once per 32 rows costs less than writing and
+     re-reading the whole 16-bit weight.
+   - prefill (M above those): `dequantize_lut` writes the weight itself to a
      scratch `(rows, in_features)` buffer in the activations' dtype (codebook
      lookups by byte permutes, the per-group rotation undone by a +-1 matrix
      product on the tensor cores), then cuBLAS multiplies the activations as
@@ -81,6 +87,9 @@ except ImportError:  # pragma: no cover - older Triton
 DOT_MAX_M = 16
 # Largest M served by the FMA GEMV for 16-bit activations (float32 always uses it up to DOT_MAX_M).
 FMA_MAX_M = 1
+# Largest M served by the tensor-core GEMV with 32 activation rows a program (DOT_MAX_M < M, 16-bit activations,
+# 2-, 3- and 4-bit weights; `_mid_config`); 0: none, every M above DOT_MAX_M dequantizes for cuBLAS.
+MID_MAX_M = 64
 
 
 # ---------------------------------------------------------------------------
@@ -2004,14 +2013,40 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     return max(16, bn), 4, 1
 
 
+def _mid_config(n: int, ng: int, n_levels: int, g: int, m: int) -> tuple[tuple, int]:
+    """(configuration, activation rows a program) of `_gemv_mma_kernel` for DOT_MAX_M < M <= MID_MAX_M, from the
+    weight shape and that bucket of M only: 32 rows a program (16 up to 32 rows for fewer than 4096 outputs),
+    4 warps of one block and 64 weight rows a program from 8192 outputs, 32 from 4096; fewer outputs keep the
+    M <= 16 configuration (more blocks per step: their grid is small). H200, Triton 3.6, 3-bit G = 128 unless
+    noted, graph replays of rotation + GEMV, us at M = 32 / 64 (dequantize + cuBLAS, the previous path, 29.5 /
+    28.4 at 4096x4096): 4096x4096 16.9 / 23.2; 4096x14336 32.8 / 60.6 (that path 90.0 / 90.9; 2-bit 29.1 / 53.4,
+    4-bit 38.6 / 70.0, runtime ternary 28.3 / 52.5); 14336x4096 48.3 / 62.0; 8192x28672 108.3 / 209.7 (4-bit
+    126.3 / 238.8; that path 343.6 / 351.9); 2048x8192 15.1 / 20.7; 2048->1024 6.3 / 7.4; 512->2048 5.0 / 6.4;
+    at M = 128 the GEMV no longer wins (8192x28672 365 against 346)."""
+    if n >= 4096:
+        warps, nblk = 4, -(-ng * g // _mma_block(n_levels, g))
+        while warps > nblk and warps > 1:
+            warps //= 2
+        return (64 if n >= 8192 else 32, warps, 1, 1, 0, 1), 32
+    return _dot_config(n, ng, n_levels, g), 16 if m <= 32 else 32
+
+
+def mid_m(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> bool:
+    """Whether `m` rows of `dtype` activations take the tensor-core GEMV above DOT_MAX_M (`_mid_config`)."""
+    kb = _mma_block(n_levels, group_size)
+    return (DOT_MAX_M < m <= MID_MAX_M and dtype in (torch.bfloat16, torch.float16)
+            and bool(lut_unit(n_levels, group_size)) and (group_size % kb == 0 or kb % group_size == 0))
+
+
 def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
-             group_size: int, out_dtype: torch.dtype, config=None, block_m: int = 16) -> torch.Tensor:
+             group_size: int, out_dtype: torch.dtype, config=None, block_m: int = 16, mma_rows: int = 0) -> torch.Tensor:
     """`(M, n_groups*G)` rotated activations (bf16/fp16; float32 in the interpreter) times the packed
     weight on the tensor cores -> `(M, rows)` in out_dtype.
 
     2-, 3- and 4-bit codebooks: `_gemv_mma_kernel`, the codebook values rounded to the activations' 16-bit
     type (bfloat16; float16 when the activations, or in the interpreter out_dtype, are float16), activation
-    tiles of 8 rows for M <= 8, else 16. `config`: (BN, num_warps, num_stages[, prefetch[, maxnreg[,
+    tiles of 8 rows for M <= 8, 16 up to DOT_MAX_M, above it as `_mid_config` says (`mma_rows`: 8, 16, 32 or 64
+    instead). `config`: (BN, num_warps, num_stages[, prefetch[, maxnreg[,
     blocks]]]) as `_dot_config` returns it (BN = 16, 32, 64 or 128; maxnreg 0: no cap; blocks: the blocks of KB
     inputs each warp takes per step, 1 by default, so S = num_warps * blocks); a fourth field that is not a
     bool (the select kernel's lookup mask) is ignored. Ternary: `_gemv_dot_kernel`, config (BN, num_warps, num_stages[,
@@ -2025,6 +2060,10 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     kb = _mma_block(n_levels, group_size)
     if lut_unit(n_levels, group_size) and (group_size % kb == 0 or kb % group_size == 0):
         default = _dot_config(n, ng, n_levels, group_size)
+        bm = 8 if m <= 8 else 16
+        if m > DOT_MAX_M:
+            default, bm = _mid_config(n, ng, n_levels, group_size, m)
+        bm = mma_rows or bm
         cfg = tuple(config or default)
         bn, warps, stages = cfg[:3]
         prefetch = int(cfg[3]) if len(cfg) > 3 and cfg[3] in (0, 1, 2) else default[3]
@@ -2038,7 +2077,6 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
         pdl = _pdl(x_rot.device)
         if pdl:
             opts["launch_pdl"] = True
-        bm = 8 if m <= 8 else 16
         _gemv_mma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
             x_rot, _packed_view(packed, 1), norms, codebook, out, m, n, x_rot.stride(0), out.stride(0), NG=ng,
             NLEV=n_levels, G=group_size, KB=kb, BN=bn, BM=bm, S=warps * blocks,
@@ -2342,7 +2380,7 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
     codebook = _f32(codebook)
     if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
         return gemv_fma(_f32(x_rot), packed, norms, codebook, group_size, out_dtype)
-    if m <= DOT_MAX_M:
+    if m <= DOT_MAX_M or mid_m(m, codebook.numel(), group_size, out_dtype):
         xr = x_rot.float().contiguous() if _interpreting() else x_rot.to(out_dtype).contiguous()
         return gemv_dot(xr, packed, norms, codebook, group_size, out_dtype)
     xr = x_rot.to(out_dtype if sixteen else torch.float32).contiguous()
@@ -2375,7 +2413,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
         x_rot = rotate(x2, s1, s2, group_size, torch.float32)
         y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)
-    elif m <= DOT_MAX_M:
+    elif m <= DOT_MAX_M or mid_m(m, codebook.numel(), group_size, dt):
         # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
         x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt)
         y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt)

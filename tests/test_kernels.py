@@ -17,6 +17,7 @@ graph capture, and `TurboQuantLinear`. It is skipped where CUDA is absent.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -143,20 +144,29 @@ def test_kernels_match_reference(L, bits, g):
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_op_paths(L, bits, dtype):
+def test_linear_op_paths(L, bits, dtype, monkeypatch):
     """The whole op (`linear`) on every path: M=1 and 2 (the pair GEMV, 1 and 2 rows a program, for 16-bit 2-, 3-
-    and 4-bit, else FMA), M=3, 4 and 5 (tensor cores for 16-bit, FMA for fp32), M=17 (dequantize + matmul), with
-    3-D activations."""
+    and 4-bit, else FMA), M=3, 4 and 5 (tensor cores for 16-bit, FMA for fp32), M=17 and 40 (16-bit 2-, 3- and
+    4-bit: the tensor-core GEMV with 16 and 32 activation rows a program; else dequantize + matmul), M=65
+    (dequantize + matmul), with 3-D activations; the weight is dequantized exactly where the dispatch says."""
     g, n, k = 64, 24, 200
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=3)
     gen = torch.Generator().manual_seed(11)
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
-    for lead in ((1,), (2,), (3,), (2, 2), (5,), (1, 17)):
+    dequantized = []
+    for name in ("dequantize_lut", "dequantize_rotated"):
+        monkeypatch.setattr(L, name, lambda *a, _f=getattr(L, name), **kw: dequantized.append(1) or _f(*a, **kw))
+    mid = dtype == torch.bfloat16 and bits != fmt.TERNARY  # (the published ternary bytes have no lookup unit)
+    for lead in ((1,), (2,), (3,), (2, 2), (5,), (1, 17), (40,), (5, 13)):
+        m = math.prod(lead)
+        assert L.mid_m(m, cb.numel(), g, dtype) == (mid and 16 < m <= 64)
+        dequantized.clear()
         x = torch.randn(*lead, k, generator=gen).to(dtype)
         ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
         y = L.linear(x, packed, norms, cb, s1, s2, g, k)
         assert y.dtype == dtype and y.shape == (*lead, n)
         assert _rel(y, ref) < tol, (lead, _rel(y, ref))
+        assert bool(dequantized) == (m > 16 and not L.mid_m(m, cb.numel(), g, dtype)), (lead, dequantized)
 
 
 def _pairs_by_hand(x_rot: torch.Tensor, unit: int, g: int):
@@ -293,7 +303,7 @@ def test_pair_gemv_experts(L):
         assert _rel(y[p], ref) < 2e-3, p
 
 
-def _mma_case(L, bits, g, n, k, m, runtime, f16=False, cfgs=(None,), seed=0):
+def _mma_case(L, bits, g, n, k, m, runtime, f16=False, cfgs=(None,), seed=0, rows=0):
     """The tensor-core GEMV of 2-, 3- and 4-bit weights against the rotated-basis product with the codebook
     rounded to 16 bits (bfloat16, or float16 for float16 outputs): the lanes' k order and the activations'
     matching gather are exact (1e-5; float16 outputs add their own rounding), and against the float32
@@ -312,7 +322,7 @@ def _mma_case(L, bits, g, n, k, m, runtime, f16=False, cfgs=(None,), seed=0):
     tol16 = 4e-3 if fold else (1e-3 if f16 else 1e-5)
     outs = []
     for cfg in cfgs:
-        y = L.gemv_dot(x_rot, pk, norms, _kcb(pk, cb), g, dt, config=cfg)
+        y = L.gemv_dot(x_rot, pk, norms, _kcb(pk, cb), g, dt, config=cfg, mma_rows=rows)
         assert y.dtype == dt and y.shape == (m, n)
         err, err16 = _rel(y, ref), _rel(y, ref16)
         assert err16 < tol16 and 1e-5 < err < 6e-3, (bits, g, runtime, m, f16, cfg, err, err16)
@@ -342,6 +352,12 @@ def test_mma_gemv_matches_reference(L, bits, g):
                         assert _rel(y, outs[0]) < 1e-6  # (the warps split the sum differently)
         L._LANES_FIRST = None
         _mma_case(L, bits, g, n, k, 5, True, f16=True, seed=3)
+        # above DOT_MAX_M (`_mid_config`): 32 activation rows a program (two programs, the second partial), with
+        # the default configuration, 64 weight rows over 2 warps, and 64 activation rows a program
+        outs = _mma_case(L, bits, g, n, k, 37, True, cfgs=(None, (64, 2, 1, 1, 0, 1)), seed=5)
+        outs += _mma_case(L, bits, g, n, k, 37, True, cfgs=((16, 4, 1, 1, 0, 1),), seed=5, rows=64)
+        for y in outs[1:]:
+            assert _rel(y, outs[0]) < 1e-6
     finally:
         L._LANES_FIRST = None
 
@@ -783,17 +799,18 @@ def _cuda_check(bits) -> int:
     # (rows, in_features): in not a multiple of G, rows not a multiple of any block
     for g in fmt.GROUP_SIZES:
         # (and, G = 128, long rows: 8400 inputs take the pair GEMV's 4-row programs and the early launch)
-        shapes = [(200, 330), (1000, 1056)] + ([(4096, 512), (2102, 8400)] if g == 128 else [])
+        # (and 4096 / 8200 rows: the 32 / 64 weight rows a program above M = 16, 8200x256 with half the warps)
+        shapes = [(200, 330), (1000, 1056)] + ([(4096, 512), (2102, 8400), (8200, 256)] if g == 128 else [])
         for n, k in shapes:
             packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=n + k + g)
             pk_d, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (packed, norms, cb, s1, s2))
             nl, ng = cb.numel(), norms.shape[1]
             # the published bytes at every M; the runtime layout (ternary, 2-, 3-, 4-bit, read with
             # `layout.runtime_codebook`) on each path: LUT, mma, prefill
-            layouts = [("published", pk_d, cb_d, (1, 2, 3, 8, 16, 17, 100))]
+            layouts = [("published", pk_d, cb_d, (1, 2, 3, 8, 16, 17, 40, 64, 65, 100))]
             if layout.supports(nl, g):
                 layouts.append(("runtime", layout.to_runtime(pk_d, nl, g, ng),
-                                layout.runtime_codebook(cb_d), (1, 3, 16, 17)))
+                                layout.runtime_codebook(cb_d), (1, 3, 16, 17, 33, 64, 65)))
             for name, pk, cb_k, ms in layouts:
                 for m in ms:
                     x = torch.randn(m, k)
@@ -808,7 +825,7 @@ def _cuda_check(bits) -> int:
                         err = _rel(y, refd) if torch.isfinite(y).all() else float("nan")
                         ok = y.dtype == dt and y.shape == (m, n) and err < tol[dt]
                         failures += not ok
-                        if not ok or m in (1, 16):
+                        if not ok or m in (1, 16, 64):
                             print(f"{'ok  ' if ok else 'FAIL'} bits={bits} G={g} {n}x{k} {name} M={m} {str(dt)[6:]} "
                                   f"rel_err={err:.2e}")
     # the pair GEMV (M = 1) with activations far outside float16's range and far below it: the power-of-two group
