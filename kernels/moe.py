@@ -11,7 +11,16 @@ synchronisation, so the layer can be captured in a CUDA graph:
 4. `rotate` each pair's intermediate row;
 5. the GEMV over pairs with the down matrices, then the top-k weighted sum per token.
 
-Otherwise (prefill), for 2-, 3- and 4-bit experts (ternary in its runtime layout) and 16-bit activations:
+Otherwise (prefill), for 2-, 3- and 4-bit experts (ternary in its runtime layout) and 16-bit activations, up to
+`FUSED_MAX_PAIRS` pairs (by default every prefill): the tokens rotated once, the (token, slot) pairs grouped by
+expert on the device (`_device_routing`), and the routed experts decoded inside two grouped tensor-core
+products (`routed_lut_mm`: each program finds its block's expert from the group sizes, decodes that expert's
+weight tiles in registers and multiplies them with the block's rows; the gate/up product reads each pair's
+token row directly) around one activation kernel (`act_mul`, then the intermediate rows rotated); one gather
+kernel (`combine`) sums each token's pairs with its routing weights. No scratch buffer and no host
+synchronisation at any length; experts no pair needs are never read.
+
+With `FUSED_MAX_PAIRS` lowered, longer prefills take the decoded path instead:
 the tokens are rotated once (`PREFILL_ROTATED_BASIS`), the (token, slot) pairs sorted by expert, the routed
 experts' matrices decoded in the rotated basis into a scratch buffer of at most `PREFILL_SCRATCH_BYTES`, and two
 grouped matrix products (`torch._grouped_mm`, bfloat16 on CUDA; a product per expert otherwise) run around one
