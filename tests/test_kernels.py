@@ -721,15 +721,18 @@ def test_lookup_dequantization(L, bits, g):
             assert 1e-5 < _rel(rot, rot_ref) < 4e-3 and 1e-5 < _rel(w, w_ref) < 4e-3, (pk.dtype, block_rows)
             if first is None:
                 first = (rot, w)
-            assert torch.equal(rot, first[0]) and torch.equal(w, first[1]), (pk.dtype, block_rows)
+            # (the weight itself comes out of a dot, which the interpreter runs as numpy's BLAS: its summation order
+            # follows the operand shapes on some CPUs, so other block sizes agree to float32 rounding there)
+            same_w = torch.equal if not _INTERPRETED else (lambda a, b: _rel(a, b) < 1e-6)
+            assert torch.equal(rot, first[0]) and same_w(w, first[1]), (pk.dtype, block_rows)
         # selected matrices of a stack (experts): the 21 rows as three matrices of 7, the third and the first
         sel = torch.tensor([2, 0], dtype=torch.int32)
         rows = torch.cat([torch.arange(14, 21), torch.arange(0, 7)])
         assert torch.equal(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, select=sel, select_rows=7),
                            first[0][rows])
-        assert torch.equal(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, s1, s2, k, select=sel,
-                                            select_rows=7),
-                           first[1][rows])
+        assert same_w(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, s1, s2, k, select=sel,
+                                       select_rows=7),
+                      first[1][rows])
     with pytest.raises(ValueError, match="4-, 8- and 16-entry"):
         t_packed, t_norms, t_cb, *_ = _weight(4, 64, fmt.TERNARY, 64, seed=1)
         L.dequantize_lut(t_packed, t_norms, t_cb, 64, torch.float32)
