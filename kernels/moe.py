@@ -67,6 +67,10 @@ PREFILL_SCRATCH_BYTES = _scratch_bytes()
 # Prefill: rotate the activations and decode the experts in the rotated basis (True), or decode the experts with
 # the rotation undone on the tensor cores and multiply the activations as they are (False).
 PREFILL_ROTATED_BASIS = True
+# Prefill: group the routed pairs by expert with three Triton kernels (`_kernel_routing`, fewer launches for an
+# eager call's host) instead of a torch sort and a dozen torch ops. Off by default: its host and device time
+# against the torch ops have not been measured on a GPU yet.
+ROUTING_KERNELS = False
 # Prefill: the routed experts decoded inside the grouped products (`routed_lut_mm`: no scratch buffer, no host
 # synchronisation) for up to this many (token, slot) pairs; above it, decoded into the scratch buffer for
 # `torch._grouped_mm` (`_grouped_decoded`). 0: never fused.
@@ -182,12 +186,10 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
                    unit_d if sixteen else 0)
         out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
         return out.to(hidden.dtype)
-    if sixteen and unit_gu and unit_d and t * k <= FUSED_MAX_PAIRS:
-        return _fused_routed(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
-                             down_packed, down_norms, down_codebook, s1, s2, group_size, e, activation, inter)
     if sixteen and unit_gu and unit_d:
-        return _grouped_decoded(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
-                                down_packed, down_norms, down_codebook, s1, s2, group_size, e, activation, inter)
+        plan = _fused_routed if t * k <= FUSED_MAX_PAIRS else _grouped_decoded
+        return plan(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed,
+                    down_norms, down_codebook, s1, s2, group_size, e, activation, inter)
     return _grouped(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
                     down_packed, down_norms, down_codebook, s1, s2, group_size, e, act, inter)
 
@@ -240,14 +242,55 @@ def _expert_products(a: torch.Tensor, w: torch.Tensor, offs, sizes, grouped: boo
     return torch.cat([torch.nn.functional.linear(part, w[i]) for i, part in enumerate(a.split(sizes))])
 
 
-def _device_routing(top_k_index: torch.Tensor, e: int):
-    """The routed pairs sorted by expert, computed on the device with no host synchronisation: (token ids, the
-    row of each (token, slot) pair among the sorted ones (-1 for none: `positions`), the matrices to decode
-    (`(E,)` int32, -1 for an expert no pair needs, which is neither read nor written), the grouped products'
-    end offsets `(E,)` int32).
+@triton.jit
+def _route_count_kernel(idx_ptr, counts_ptr, P, E: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[e] += the pairs routed to expert e; counts[E]: those routed to no expert (indices outside [0, E))."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = p < P
+    ex = tl.load(idx_ptr + p, mask=live, other=0)
+    ex = tl.where((ex >= 0) & (ex < E), ex, E)
+    tl.atomic_add(counts_ptr + ex, 1, mask=live)
 
-    Pairs routed to no expert (indices outside [0, E)) sort last and join the last expert's group, which is then
-    decoded, so that every row lies inside the offsets (their results are never read)."""
+
+@triton.jit
+def _route_scan_kernel(counts_ptr, cursor_ptr, sel_ptr, offs_ptr, P, E: tl.constexpr, EP: tl.constexpr):
+    """From the counts: each group's first row (into `cursor`, which the placing kernel advances), the matrices to
+    decode (-1 for an empty group) and the groups' end offsets; the pairs routed to no expert join the last group."""
+    ee = tl.arange(0, EP)
+    cnt = tl.load(counts_ptr + ee, mask=ee <= E, other=0)
+    ends = tl.cumsum(cnt, 0)
+    tl.store(cursor_ptr + ee, ends - cnt, mask=ee <= E)
+    last = ee == E - 1
+    group = tl.where(last, cnt + tl.sum(tl.where(ee == E, cnt, 0), 0), cnt)
+    tl.store(sel_ptr + ee, tl.where(group > 0, ee, -1), mask=ee < E)
+    tl.store(offs_ptr + ee, tl.where(last, P, ends), mask=ee < E)
+
+
+@triton.jit
+def _route_place_kernel(idx_ptr, cursor_ptr, tok_ptr, pos_ptr, P, K: tl.constexpr, E: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Each pair takes the next free row of its group (an atomic ticket on the group's cursor): tok[row] = its
+    token, pos[pair] = row (-1 for a pair routed to no expert, whose row follows every routed one)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = p < P
+    ex = tl.load(idx_ptr + p, mask=live, other=0)
+    routed = (ex >= 0) & (ex < E)
+    row = tl.atomic_add(cursor_ptr + tl.where(routed, ex, E), 1, mask=live)
+    tl.store(tok_ptr + row, p // K, mask=live)
+    tl.store(pos_ptr + p, tl.where(routed, row, -1), mask=live)
+
+
+def _device_routing(top_k_index: torch.Tensor, e: int):
+    """The routed pairs grouped by expert, computed on the device with no host synchronisation: (token ids of the
+    rows, the row of each (token, slot) pair (-1 for none: `positions`), the matrices to decode (`(E,)` int32, -1
+    for an expert no pair needs, which is neither read nor written), the grouped products' end offsets `(E,)`
+    int32).
+
+    Pairs routed to no expert (indices outside [0, E)) come after every routed pair and join the last expert's
+    group, so that every row lies inside the offsets (their results are never read). `ROUTING_KERNELS`: a
+    counting sort in three small kernels (`_kernel_routing`), else a stable sort and a dozen torch ops."""
+    if ROUTING_KERNELS:
+        return _kernel_routing(top_k_index, e)
     from turboquant_hf.ops import sort_routing
 
     t, k = top_k_index.shape
@@ -260,6 +303,30 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
     pos = torch.empty(t * k, dtype=torch.int32, device=order.device)
     pos.index_copy_(0, order, torch.where(live, arange[:t * k], -1))
     return order // k, pos, sel, groups.cumsum(0, dtype=torch.int32)
+
+
+def _kernel_routing(top_k_index: torch.Tensor, e: int):
+    """`_device_routing` as a counting sort in three small kernels (count, scan, place: three launches and four
+    allocations instead of a sort and a dozen torch ops). Inside a group the pairs' order follows the atomics'
+    timing; each row's result does not (every row is its own product), so the layer's output is the same on
+    every run."""
+    t, k = top_k_index.shape
+    p = t * k
+    dev = top_k_index.device
+    idx = top_k_index if top_k_index.is_contiguous() else top_k_index.contiguous()
+    scratch = torch.zeros(2 * (e + 1), dtype=torch.int32, device=dev)  # counts, then the groups' cursors
+    meta = torch.empty(2 * e, dtype=torch.int32, device=dev)  # sel, then offs
+    tok = torch.empty(p, dtype=torch.int64, device=dev)
+    pos = torch.empty(p, dtype=torch.int32, device=dev)
+    block = 1024
+    grid = (triton.cdiv(p, block),)
+    if p:
+        _route_count_kernel[grid](idx, scratch, p, E=e, BLOCK=block, num_warps=4)
+    _route_scan_kernel[(1,)](scratch, scratch[e + 1:], meta, meta[e:], p, E=e, EP=triton.next_power_of_2(e + 1),
+                             num_warps=4)
+    if p:
+        _route_place_kernel[grid](idx, scratch[e + 1:], tok, pos, p, K=k, E=e, BLOCK=block, num_warps=4)
+    return tok, pos, meta[:e], meta[e:]
 
 
 def _decoded_on_device(pairs: int, e: int, widest_bytes: int) -> bool:
@@ -419,9 +486,8 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
     sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
     if t and t * k > PAIR_MAX_ROWS and sixteen and all(  # (lut_unit: 0 where a group is smaller than a unit)
             L.lut_unit(cb.numel(), g) for cb, g in ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i))):
-        if t * k <= FUSED_MAX_PAIRS:
-            return _hadamard_fused_routed(*args[:15], e, act)
-        return _hadamard_grouped_decoded(*args[:15], e, act)
+        plan = _hadamard_fused_routed if t * k <= FUSED_MAX_PAIRS else _hadamard_grouped_decoded
+        return plan(*args[:15], e, act)
     if t == 0 or t * k > PAIR_MAX_ROWS or not whole_units:
         return ops.turboquant_hadamard_moe_experts(*args)
     idx = top_k_index.reshape(-1)
