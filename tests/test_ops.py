@@ -30,6 +30,39 @@ def test_op_equals_dequantized_matmul(n_levels, group_size):
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("n_levels", [3, 4, 8, 16])
+def test_reference_product_in_a_reused_buffer(n_levels, monkeypatch):
+    """On CPU the reference product builds each weight block in a per-thread buffer (`codec.decode_scratch`): the
+    weight built there equals the freshly allocated one bit for bit (ternary through its padded groups; a dtype
+    the buffer cannot hold gets a new tensor), and products of other weights and block splits through the same
+    buffer stay exact, so nothing of one call leaks into the next."""
+    from turboquant_hf import ops
+
+    x, packed, norms, cb, s1, s2 = _inputs(n_levels, 64, rows=37, in_features=300, m=3)
+    fresh = codec.rotated_weight(packed, norms, cb, 64)
+    buf = torch.full((fresh.numel() + 11,), float("nan"))
+    built = codec.rotated_weight(packed, norms, cb, 64, out=buf)
+    assert torch.equal(built, fresh) and built.data_ptr() == buf.data_ptr()
+    wide = codec.rotated_weight(packed, norms.double(), cb, 64, out=buf)  # float64 result: not in the buffer
+    assert wide.dtype == torch.float64 and wide.data_ptr() != buf.data_ptr()
+    assert torch.equal(wide, codec.rotated_weight(packed, norms.double(), cb, 64))
+    assert codec.rotated_weight(packed, norms, cb, 64, out=buf[:10]).data_ptr() != buf.data_ptr()  # too small
+    x_rot = ops.rotate_activations(x, s1, s2, 64)
+    want = x_rot @ fresh.T
+    other_x, other_packed, other_norms, *_ = _inputs(n_levels, 64, rows=90, in_features=300, m=3)
+    other_want = x_rot @ codec.rotated_weight(other_packed, other_norms, cb, 64).T
+    assert torch.equal(ops.codebook_matmul(x_rot, packed, norms, cb, 64), want)
+    assert torch.equal(ops.codebook_matmul(x_rot, other_packed, other_norms, cb, 64), other_want)
+    monkeypatch.setattr(ops, "_REFERENCE_BLOCK_ELEMENTS", 10 * 320)  # blocks of 10 rows through one buffer
+
+    def by_blocks(pk, nr):  # (each block's own product: a matmul's rounding follows its shape)
+        return torch.cat([x_rot @ codec.rotated_weight(pk[r * 5:(r + 10) * 5], nr[r:r + 10], cb, 64).T
+                          for r in range(0, nr.shape[0], 10)], 1)
+
+    assert torch.equal(ops.codebook_matmul(x_rot, other_packed, other_norms, cb, 64), by_blocks(other_packed, other_norms))
+    assert torch.equal(ops.codebook_matmul(x_rot, packed, norms, cb, 64), by_blocks(packed, norms))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_op_keeps_dtype_and_leading_dims(dtype):
     x, packed, norms, cb, s1, s2 = _inputs(8, 128, dtype=dtype)

@@ -57,12 +57,20 @@ def codebook_matmul(
 ) -> torch.Tensor:
     """`(M, n_groups*G)` rotated activations times the packed weight: `(M, rows)` float32."""
     rows, n_groups = norms.shape
-    out = torch.empty(x_rot.shape[0], rows, dtype=torch.float32, device=x_rot.device)
     block = max(1, _REFERENCE_BLOCK_ELEMENTS // (n_groups * group_size))
+    # (on CPU each block is built in a reused per-thread buffer: see `codec.decode_scratch`)
+    scratch = None
+    if x_rot.device.type == "cpu" and not torch.compiler.is_compiling():
+        scratch = codec.decode_scratch(min(rows, block) * n_groups * group_size, codebook.dtype)
+    if rows <= block:  # (one block: its product is the result)
+        w = codec.rotated_weight(layout.codes(packed, codebook.numel(), group_size, n_groups), norms, codebook,
+                                 group_size, out=scratch)
+        return x_rot @ w.T
+    out = torch.empty(x_rot.shape[0], rows, dtype=torch.float32, device=x_rot.device)
     for start in range(0, rows, block):
         stop = min(rows, start + block)
         chunk = layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
-        w = codec.rotated_weight(chunk, norms[start:stop], codebook, group_size)
+        w = codec.rotated_weight(chunk, norms[start:stop], codebook, group_size, out=scratch)
         out[:, start:stop] = x_rot @ w.T
     return out
 
