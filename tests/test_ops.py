@@ -53,6 +53,15 @@ def test_reference_product_in_a_reused_buffer(n_levels, monkeypatch):
     other_want = x_rot @ codec.rotated_weight(other_packed, other_norms, cb, 64).T
     assert torch.equal(ops.codebook_matmul(x_rot, packed, norms, cb, 64), want)
     assert torch.equal(ops.codebook_matmul(x_rot, other_packed, other_norms, cb, 64), other_want)
+    # a product autograd differentiates keeps its own weight block (the next call must not overwrite it)
+    x_grad = x_rot.clone().requires_grad_()
+    ops.codebook_matmul(x_grad, packed, norms, cb, 64).sum().backward()
+    ops.codebook_matmul(x_rot, other_packed, other_norms, cb, 64)
+    x_again = x_rot.clone().requires_grad_()
+    y = ops.codebook_matmul(x_again, packed, norms, cb, 64)
+    ops.codebook_matmul(x_rot, other_packed, other_norms, cb, 64)
+    y.sum().backward()
+    assert torch.allclose(x_again.grad, torch.ones(3, 37) @ fresh, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(ops, "_REFERENCE_BLOCK_ELEMENTS", 10 * 320)  # blocks of 10 rows through one buffer
 
     def by_blocks(pk, nr):  # (each block's own product: a matmul's rounding follows its shape)

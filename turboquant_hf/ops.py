@@ -58,9 +58,11 @@ def codebook_matmul(
     """`(M, n_groups*G)` rotated activations times the packed weight: `(M, rows)` float32."""
     rows, n_groups = norms.shape
     block = max(1, _REFERENCE_BLOCK_ELEMENTS // (n_groups * group_size))
-    # (on CPU each block is built in a reused per-thread buffer: see `codec.decode_scratch`)
+    # (on CPU each block is built in a reused per-thread buffer: see `codec.decode_scratch`; not where autograd
+    # would keep the block for a backward pass)
     scratch = None
-    if x_rot.device.type == "cpu" and not torch.compiler.is_compiling():
+    if x_rot.device.type == "cpu" and not torch.compiler.is_compiling() and not (
+            x_rot.requires_grad and torch.is_grad_enabled()):
         scratch = codec.decode_scratch(min(rows, block) * n_groups * group_size, codebook.dtype)
     if rows <= block:  # (one block: its product is the result)
         w = codec.rotated_weight(layout.codes(packed, codebook.numel(), group_size, n_groups), norms, codebook,
