@@ -64,17 +64,15 @@ def codebook_matmul(
     if x_rot.device.type == "cpu" and not torch.compiler.is_compiling() and not (
             x_rot.requires_grad and torch.is_grad_enabled()):
         scratch = codec.decode_scratch(min(rows, block) * n_groups * group_size, codebook.dtype)
-    if rows <= block:  # (one block: its product is the result)
-        w = codec.rotated_weight(layout.codes(packed, codebook.numel(), group_size, n_groups), norms, codebook,
-                                 group_size, out=scratch)
-        return x_rot @ w.T
-    out = torch.empty(x_rot.shape[0], rows, dtype=torch.float32, device=x_rot.device)
+    parts = []
     for start in range(0, rows, block):
         stop = min(rows, start + block)
         chunk = layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
         w = codec.rotated_weight(chunk, norms[start:stop], codebook, group_size, out=scratch)
-        out[:, start:stop] = x_rot @ w.T
-    return out
+        parts.append((x_rot @ w.T).to(torch.float32))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, 1) if parts else x_rot.new_empty(x_rot.shape[0], 0, dtype=torch.float32)
 
 
 @_op("linear")
