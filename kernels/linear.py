@@ -1975,6 +1975,13 @@ def _mma_block(n_levels: int, g: int) -> int:
     return 64 if g == 64 and n_levels != 8 else 128
 
 
+def _mma_serves(n_levels: int, g: int) -> bool:
+    """Whether `_gemv_mma_kernel` serves this codebook size and group size: a byte-permute lookup unit, and
+    groups that divide its block of inputs or that it divides."""
+    kb = _mma_block(n_levels, g)
+    return bool(lut_unit(n_levels, g)) and (g % kb == 0 or kb % g == 0)
+
+
 def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     """Launch configuration of the tensor-core GEMV, from the weight shape only (never from M).
 
@@ -1996,7 +2003,7 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
     every codebook lookup through shared memory."""
     kb = _mma_block(n_levels, g)
-    if lut_unit(n_levels, g) and (g % kb == 0 or kb % g == 0):
+    if _mma_serves(n_levels, g):
         nblk = -(-ng * g // kb)
         if n_levels == 16:  # its lookups hold more registers: fewer blocks per warp, 4 warps
             bn, warps, blocks = (16, 4, 4) if n < 4096 else (32, 4, 2) if n < 8192 else (32, 4, 1)
@@ -2033,9 +2040,7 @@ def _mid_config(n: int, ng: int, n_levels: int, g: int, m: int) -> tuple[tuple, 
 
 def mid_m(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> bool:
     """Whether `m` rows of `dtype` activations take the tensor-core GEMV above DOT_MAX_M (`_mid_config`)."""
-    kb = _mma_block(n_levels, group_size)
-    return (DOT_MAX_M < m <= MID_MAX_M and dtype in (torch.bfloat16, torch.float16)
-            and bool(lut_unit(n_levels, group_size)) and (group_size % kb == 0 or kb % group_size == 0))
+    return DOT_MAX_M < m <= MID_MAX_M and dtype in (torch.bfloat16, torch.float16) and _mma_serves(n_levels, group_size)
 
 
 def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
@@ -2058,7 +2063,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     if m == 0 or n == 0:
         return out
     kb = _mma_block(n_levels, group_size)
-    if lut_unit(n_levels, group_size) and (group_size % kb == 0 or kb % group_size == 0):
+    if _mma_serves(n_levels, group_size):
         default = _dot_config(n, ng, n_levels, group_size)
         bm = 8 if m <= 8 else 16
         if m > DOT_MAX_M:
