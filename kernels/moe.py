@@ -13,7 +13,7 @@ synchronisation, so the layer can be captured in a CUDA graph:
 
 Otherwise (prefill), for 2-, 3- and 4-bit experts (ternary in its runtime layout) and 16-bit activations, up to
 `FUSED_MAX_PAIRS` pairs (by default every prefill): the tokens rotated once, the (token, slot) pairs grouped by
-expert on the device (`_device_routing`), and the routed experts decoded inside two grouped tensor-core
+expert on the device (`_device_routing`: a counting sort in three small kernels), and the routed experts decoded inside two grouped tensor-core
 products (`routed_lut_mm`: each program finds its block's expert from the group sizes, decodes that expert's
 weight tiles in registers and multiplies them with the block's rows; the gate/up product reads each pair's
 token row directly) around one activation kernel (`act_mul`, then the intermediate rows rotated); one gather
@@ -67,10 +67,6 @@ PREFILL_SCRATCH_BYTES = _scratch_bytes()
 # Prefill: rotate the activations and decode the experts in the rotated basis (True), or decode the experts with
 # the rotation undone on the tensor cores and multiply the activations as they are (False).
 PREFILL_ROTATED_BASIS = True
-# Prefill: group the routed pairs by expert with three Triton kernels (`_kernel_routing`, fewer launches for an
-# eager call's host) instead of a torch sort and a dozen torch ops. Off by default: its host and device time
-# against the torch ops have not been measured on a GPU yet.
-ROUTING_KERNELS = False
 # Prefill: the routed experts decoded inside the grouped products (`routed_lut_mm`: no scratch buffer, no host
 # synchronisation) for up to this many (token, slot) pairs; above it, decoded into the scratch buffer for
 # `torch._grouped_mm` (`_grouped_decoded`). 0: never fused.
@@ -286,30 +282,15 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
     for an expert no pair needs, which is neither read nor written), the grouped products' end offsets `(E,)`
     int32).
 
-    Pairs routed to no expert (indices outside [0, E)) come after every routed pair and join the last expert's
-    group, so that every row lies inside the offsets (their results are never read). `ROUTING_KERNELS`: a
-    counting sort in three small kernels (`_kernel_routing`), else a stable sort and a dozen torch ops."""
-    if ROUTING_KERNELS:
-        return _kernel_routing(top_k_index, e)
-    from turboquant_hf.ops import sort_routing
+    A counting sort in three small kernels (count, scan, place). Pairs routed to no expert (indices outside
+    [0, E)) come after every routed pair and join the last expert's group, so that every row lies inside the
+    offsets (their results are never read). Inside a group the pairs' order follows the atomics' timing; each
+    row's result does not (every row is its own product), so the layer's output is the same on every run.
 
-    t, k = top_k_index.shape
-    order, counts = sort_routing(top_k_index, e)
-    groups = counts[:e].clone()
-    groups[-1] += counts[e]
-    arange = torch.arange(max(t * k, e), dtype=torch.int32, device=order.device)
-    sel = torch.where(groups > 0, arange[:e], -1)
-    live = arange[:t * k] < counts[:e].sum()  # (the pairs routed to no expert sort last)
-    pos = torch.empty(t * k, dtype=torch.int32, device=order.device)
-    pos.index_copy_(0, order, torch.where(live, arange[:t * k], -1))
-    return order // k, pos, sel, groups.cumsum(0, dtype=torch.int32)
-
-
-def _kernel_routing(top_k_index: torch.Tensor, e: int):
-    """`_device_routing` as a counting sort in three small kernels (count, scan, place: three launches and four
-    allocations instead of a sort and a dozen torch ops). Inside a group the pairs' order follows the atomics'
-    timing; each row's result does not (every row is its own product), so the layer's output is the same on
-    every run."""
+    Three launches and four allocations: on an H200 (E = 256, top-8, H = 2048, I = 512, 3-bit) the eager MoE call
+    took 748 / 650 / 880 us at 16 / 256 / 2048 tokens against 1160 / 1243 / 1580 us with a stable sort and a dozen
+    torch ops, and 176 / 370 / 633 against 212 / 415 / 702 us of device time as a CUDA graph
+    (`benchmarks/E2E.md`)."""
     t, k = top_k_index.shape
     p = t * k
     dev = top_k_index.device

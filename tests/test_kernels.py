@@ -498,16 +498,14 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
     M.PAIR_MAX_ROWS = 8  # (this copy only) 2 tokens x top-3 take the pair path, 4 tokens the grouped one
     chunked = 2 * (3 * inter * h) * 4  # two experts' float32 weights a chunk (the host-synchronised path)
     # the prefill paths: the fused routed products, then decoded into the scratch buffer in chunks, then every
-    # expert at once (routing on the device), rotated basis or not; the routing by torch ops or by the counting
-    # sort's kernels (`ROUTING_KERNELS`)
+    # expert at once (routing on the device), rotated basis or not
     fused = 1 << 62
-    settings = [(None, True, fused, False), (chunked, True, fused, False), (chunked, True, fused, True),
-                (chunked, True, 0, False), (1 << 30, True, 0, False), (1 << 30, True, 0, True)] + (
-        [(1 << 30, False, 0, False)] if bits == 3 else [])
-    for scratch, rotated, fused_max, kernels in settings:
+    settings = [(None, True, fused), (chunked, True, fused), (chunked, True, 0), (1 << 30, True, 0)] + (
+        [(1 << 30, False, 0)] if bits == 3 else [])
+    for scratch, rotated, fused_max in settings:
         t = 2 if scratch is None else 4
         M.PREFILL_SCRATCH_BYTES, M.PREFILL_ROTATED_BASIS = scratch or chunked, rotated
-        M.FUSED_MAX_PAIRS, M.ROUTING_KERNELS = fused_max, kernels
+        M.FUSED_MAX_PAIRS = fused_max
         hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
         top_k_index = torch.randint(0, e, (t, 3), generator=gen)
         top_k_index[0, 1] = e  # "no expert"
@@ -517,8 +515,8 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
         ref = ops.turboquant_moe_experts(hidden.float(), *args[1:])
         y = M.moe_experts(hidden, top_k_index, top_k_weights, gu_k, gu_n, cb_k, d_k, d_n, cb_k, s1, s2, g, e, "silu")
         assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
-        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, kernels, _rel(y, ref))
-    M.PREFILL_ROTATED_BASIS, M.FUSED_MAX_PAIRS, M.ROUTING_KERNELS = True, 1 << 62, False  # (this copy's defaults)
+        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, _rel(y, ref))
+    M.PREFILL_ROTATED_BASIS, M.FUSED_MAX_PAIRS = True, 1 << 62  # (this copy's defaults)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, fmt.TERNARY])
@@ -612,30 +610,25 @@ def test_combine_sums_routed_rows(M):
     got = M.combine(y, pos, w, torch.float32)
     assert _rel(got, want) < 1e-6 and torch.equal(got[5], torch.zeros(h))
     assert M.combine(y.to(torch.bfloat16), pos, w, torch.bfloat16).dtype == torch.bfloat16
-    # the routing computed on the device (no host synchronisation), by torch ops (a stable sort: the same rows and
-    # positions) and by the counting sort's kernels: the same pairs routed, each to a row of its own, the routed
-    # ones first and grouped by expert (order inside a group free), each row reading its pair's token; the pairs
-    # routed nowhere after them; the same output through `combine`
+    # the routing computed on the device (no host synchronisation; a counting sort in three kernels): the same
+    # pairs routed, each to a row of its own, the routed ones first and grouped by expert (order inside a group
+    # free), each row reading its pair's token; the pairs routed nowhere after them; the same output through
+    # `combine`
     live = pos >= 0
     flat = torch.arange(t * k)
-    for kernels in (False, True):
-        M.ROUTING_KERNELS = kernels
-        tok_d, pos_d, sel, offs = M._device_routing(idx, e)
-        if not kernels:
-            assert torch.equal(tok_d[:tok.numel()], tok) and torch.equal(pos_d, pos)
-        rows = pos_d[live].long()
-        assert torch.equal(pos_d >= 0, live) and sorted(rows.tolist()) == list(range(tok.numel()))
-        assert torch.equal(tok_d[rows], flat[live] // k)
-        assert sorted(tok_d[tok.numel():].tolist()) == (flat[~live] // k).tolist()
-        expert_of_row = torch.empty(tok.numel(), dtype=torch.long)
-        expert_of_row[rows] = idx.reshape(-1)[live]
-        assert expert_of_row.tolist() == sorted(expert_of_row.tolist())
-        assert sel.tolist() == [ex if counts_list[ex] or ex == e - 1 else -1 for ex in range(e)]
-        assert offs.tolist()[:-1] == torch.tensor(counts_list).cumsum(0).tolist()[:-1] and offs[-1] == t * k
-        y_d = torch.full((t * k, h), float("nan"))  # (rows of pairs routed nowhere are never read)
-        y_d[rows] = y[pos[live].long()]
-        assert torch.equal(M.combine(y_d, pos_d, w, torch.float32), got)
-    M.ROUTING_KERNELS = False
+    tok_d, pos_d, sel, offs = M._device_routing(idx, e)
+    rows = pos_d[live].long()
+    assert torch.equal(pos_d >= 0, live) and sorted(rows.tolist()) == list(range(tok.numel()))
+    assert torch.equal(tok_d[rows], flat[live] // k)
+    assert sorted(tok_d[tok.numel():].tolist()) == (flat[~live] // k).tolist()
+    expert_of_row = torch.empty(tok.numel(), dtype=torch.long)
+    expert_of_row[rows] = idx.reshape(-1)[live]
+    assert expert_of_row.tolist() == sorted(expert_of_row.tolist())
+    assert sel.tolist() == [ex if counts_list[ex] or ex == e - 1 else -1 for ex in range(e)]
+    assert offs.tolist()[:-1] == torch.tensor(counts_list).cumsum(0).tolist()[:-1] and offs[-1] == t * k
+    y_d = torch.full((t * k, h), float("nan"))  # (rows of pairs routed nowhere are never read)
+    y_d[rows] = y[pos[live].long()]
+    assert torch.equal(M.combine(y_d, pos_d, w, torch.float32), got)
 
 
 @pytest.mark.parametrize("tiers", [(3, 3, 3), (fmt.TERNARY, fmt.TERNARY, 4)])
@@ -910,24 +903,17 @@ def _cuda_check(bits) -> int:
         cb_rt = layout.runtime_codebook(dev_w[2])
         weights.append(("runtime", [layout.to_runtime(dev_w[0], nl, g, h // g), dev_w[1], cb_rt,
                                     layout.to_runtime(dev_w[3], nl, g, inter // g), dev_w[4], cb_rt, *dev_w[6:]]))
-    from turboquant_hf.kernels import moe as KM
-
-    # (and, for many tokens, the routing by torch ops and by the counting sort's kernels: `ROUTING_KERNELS`)
-    runs = [(w, t, kern) for w in weights for t in (1, 3, 40, 300) for kern in ((False, True) if t > 3 else (False,))]
-    for (name, wl), t, kern in runs:
+    for (name, wl), t in [(w, t) for w in weights for t in (1, 3, 40, 300)]:
         hidden = torch.randn(t, h).to(torch.bfloat16)
         idx = torch.randint(0, e, (t, 4))
         idx[0, 1] = e  # routed to no expert
         wts = torch.rand(t, 4)
         ref = ops.turboquant_moe_experts(hidden.float(), idx, wts, gu_p, gu_n, cb, d_p, d_n, cb, s1, s2, g, e, "silu")
-        KM.ROUTING_KERNELS = kern
         y = torch.ops.turboquant.moe_experts(hidden.to(dev), idx.to(dev), wts.to(dev), *wl, g, e, "silu")
-        KM.ROUTING_KERNELS = False
         err = _rel(y, ref)
         ok = err < 1.5e-2 and y.dtype == torch.bfloat16
         failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} moe_experts bits={bits} {name} T={t} routing kernels {kern} "
-              f"rel_err={err:.2e}")
+        print(f"{'ok  ' if ok else 'FAIL'} moe_experts bits={bits} {name} T={t} rel_err={err:.2e}")
     for t in (1, 40):  # the decode path and the fused routed products, captured and replayed with new inputs
         static_h = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         static_i = torch.randint(0, e, (t, 4), device=dev)
