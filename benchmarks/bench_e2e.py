@@ -3,6 +3,7 @@
     python benchmarks/bench_e2e.py --md E2E.md --json e2e.json [--models llama8b qwen36] [--skip-moe]
                                    [--moe-tokens 1 2048] [--compile llama8b]
     python benchmarks/bench_e2e.py --profile-moe     # where the MoE layer's time goes at 2048 tokens
+    python benchmarks/bench_e2e.py --skip-moe --models llama8b qwen36 --prefill 512 2048   # also prompt processing
 
 MoE layer (E = 256, top-8, H = 2048, I = 512, the Qwen3.6-35B-A3B experts): transformers' own fused
 bf16 experts module, with its "eager" implementation (a loop over the routed experts) and its "grouped_mm"
@@ -21,6 +22,10 @@ times plain eager decoding (a DynamicCache, one forward per token, as `generate`
 compilation), where host overhead per kernel launch counts. Models named in `--compile` get a third row: the
 forward compiled with `torch.compile(fullgraph=True)` (our ops are opaque custom ops there; inductor fuses what
 lies between them), then captured and replayed the same way. Where capture fails, the row says why.
+
+Prefill (`--prefill N ...`): one forward over an N-token prompt at batch 1 into a fresh cache, the logits of
+its last position only (as `generate` computes them), timed as a CUDA-graph replay of the whole forward (the
+device's time: the quantized layers never wait for the host at any length) and eagerly; prompt tokens/s.
 """
 
 from __future__ import annotations
@@ -301,7 +306,33 @@ def decode_tps(model, steps: int = 64, prompt: int = 16, compile: bool = False) 
     return rows
 
 
-def bench_model(key: str, recipes: list[str], compile: bool = False, fuse: bool = False) -> list[dict]:
+def prefill_tps(model, tokens: int, reps: int = 10) -> list[dict]:
+    """Prompt tokens/s of one forward over `tokens` prompt tokens (batch 1, a fresh DynamicCache, the last
+    position's logits only): captured in a CUDA graph and replayed (median of `reps`), then eagerly (median of
+    `reps`, host work included)."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, tokens), device=DEV, generator=torch.Generator(device=DEV).manual_seed(2))
+
+    def fwd():
+        return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
+
+    rows = []
+    with torch.no_grad():
+        try:
+            t_g = _graph_us(fwd, reps)
+            rows.append(dict(mode=f"prefill {tokens} (CUDA graph)", tokens_per_s=tokens / t_g * 1e6))
+        except Exception as exc:  # noqa: BLE001 - record why; the eager row still runs
+            rows.append(dict(mode=f"prefill {tokens} (CUDA graph)", tokens_per_s=float("nan"),
+                             graph_error=repr(exc)[:300]))
+        torch.cuda.synchronize()
+        rows.append(dict(mode=f"prefill {tokens} (eager)", tokens_per_s=tokens / _events_us(fwd, reps) * 1e6))
+    for r in rows:
+        r["phase"] = "prefill"
+    return rows
+
+
+def bench_model(key: str, recipes: list[str], compile: bool = False, fuse: bool = False,
+                prefill=(), decode: bool = True) -> list[dict]:
     label, make_config, cls_name = MODELS[key]
     rows = []
     results = {}
@@ -312,7 +343,10 @@ def bench_model(key: str, recipes: list[str], compile: bool = False, fuse: bool 
         model = build(make_config(), cls_name, recipe)
         fused = fuse_projections(model) if fuse_it else 0
         nbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-        for r in decode_tps(model, compile=compile):
+        timed = decode_tps(model, compile=compile) if decode else []
+        for n in prefill:
+            timed += prefill_tps(model, n)
+        for r in timed:
             r.update(model=label, recipe=(recipe or "bf16") + (" (fused q/k/v, gate/up)" if fused else ""),
                      GB=nbytes / 1e9, fused_groups=fused)
             results[recipe, r["mode"]] = r
@@ -366,15 +400,20 @@ def markdown(env: dict, moe: list[dict], e2e: list[dict], command: str) -> str:
                        f"{r['ratio']:.2f} | {r.get('ratio_grouped', nan):.2f} | {r.get('ratio_graph_grouped', nan):.2f} | "
                        f"{r.get('ratio_graphs', nan):.2f} | {r['rel_vs_bf16']:.3f} |")
         out.append("")
-    if e2e:
-        out += ["## Decode, batch 1 (16-token prompt, 64 new tokens)", "",
-                "| model | weights | GB | mode | tokens/s | ratio vs bf16 |", "|---|---|---:|---|---:|---:|"]
-        for r in e2e:
+    for phase, title, unit in (("decode", "## Decode, batch 1 (16-token prompt, 64 new tokens)", "tokens/s"),
+                               ("prefill", "## Prefill, batch 1 (one forward over the prompt, last logits only)",
+                                "prompt tokens/s")):
+        rows = [r for r in e2e if r.get("phase", "decode") == phase]
+        if not rows:
+            continue
+        out += [title, "", f"| model | weights | GB | mode | {unit} | ratio vs bf16 |", "|---|---|---:|---|---:|---:|"]
+        for r in rows:
             out.append(f"| {r['model']} | {r['recipe']} | {r['GB']:.2f} | {r['mode']} | {r['tokens_per_s']:.1f} | "
                        f"{r.get('ratio', 1.0):.2f} |")
-        errs = [r for r in e2e if "graph_error" in r]
-        for r in errs:
-            out.append(f"\n- {r['model']} {r['recipe']} ({r['mode']}): failed ({r['graph_error']})")
+        for r in rows:
+            if "graph_error" in r:
+                out.append(f"\n- {r['model']} {r['recipe']} ({r['mode']}): failed ({r['graph_error']})")
+        out.append("")
     return "\n".join(out) + "\n"
 
 
@@ -391,6 +430,9 @@ def main() -> int:
                     help="also time each recipe with q/k/v and gate/up fused (turboquant_hf.fusion.fuse_projections)")
     ap.add_argument("--profile-moe", action="store_true",
                     help="only profile the quantized MoE layer at 2048 tokens (torch.profiler tables) and exit")
+    ap.add_argument("--prefill", nargs="*", type=int, default=[], metavar="N",
+                    help="also time prompt processing of N tokens per model and recipe (batch 1)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode rows (with --prefill: prefill only)")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -403,7 +445,8 @@ def main() -> int:
     e2e = []
     for key in args.models:
         recipes = args.recipes if key != "qwen36" else sorted(set(args.recipes) | {"tq3", "tq3a-tqTe"})
-        e2e += bench_model(key, recipes, compile=key in args.compile, fuse=args.fuse)
+        e2e += bench_model(key, recipes, compile=key in args.compile, fuse=args.fuse, prefill=args.prefill,
+                           decode=not args.no_decode)
     md = markdown(env, moe, e2e, "python " + " ".join(sys.argv))
     print(md)
     if args.md:

@@ -7,6 +7,7 @@ from torch.profiler import profile
 from transformers import AutoModelForCausalLM
 
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear, quantize_weight
+from turboquant_hf import fusion
 from turboquant_hf.fusion import fuse_projections, unfuse_projections
 
 
@@ -49,6 +50,15 @@ def test_fused_model_gives_the_same_logits_with_fewer_ops(model):
             assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), k
         # nothing is held between forwards
         assert attn.q_proj._tq_group._x is None and attn.q_proj._tq_group._outs is None
+        # inputs of more than FUSED_MAX_ROWS rows (prefill) run each member on its own rows: the same logits, the
+        # group kept
+        long_ids = torch.randint(3, 256, (1, fusion.FUSED_MAX_ROWS + 1), generator=torch.Generator().manual_seed(1))
+        assert _ops(model, long_ids) == 14
+        unfuse_projections(model)
+        ref_long = model(long_ids).logits
+        fuse_projections(model)
+        torch.testing.assert_close(model(long_ids).logits, ref_long, rtol=1e-5, atol=1e-5)
+        assert _ops(model, long_ids[:, :fusion.FUSED_MAX_ROWS]) == 8 and attn.q_proj._tq_group.intact()
 
 
 def test_fused_model_saves_and_reloads_the_same_checkpoint(model, tmp_path):

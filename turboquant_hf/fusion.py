@@ -11,6 +11,10 @@ still writes its own tensors, never views of the fused ones), and `unfuse_projec
 
 The fused call is an ordinary `torch.ops.turboquant.linear`, so it runs under CUDA graphs and
 `torch.compile(fullgraph=True)` like any other.
+
+Inputs of more than `FUSED_MAX_ROWS` rows (a prompt's prefill) run each member on its own rows, views of the
+same storage: there the weight is decoded for a matrix product whatever the grouping, and splitting one wide
+output into contiguous per-member tensors would copy it once more.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ import torch
 from torch import nn
 
 from .modules import TurboQuantLinear, group_linear
+
+# Most input rows (tokens) that one fused product serves; longer inputs run the members apart. 64 is the last row
+# count the CUDA kernels multiply without decoding the weight to a scratch buffer (`kernels.linear.MID_MAX_M`).
+# Measured on an H200 (Llama-3.1-8B shape, 3-bit, 2048-token prefill as a CUDA graph): fused for every length,
+# 0.84x of bf16's prompt tokens/s, against 0.90x with the members apart (`benchmarks/E2E.md`).
+FUSED_MAX_ROWS = 64
 
 # child names of one parent that read the same input, in output order: attention, gated MLPs (Llama-style,
 # Mixtral's experts-as-modules), and the gated-delta-net input projections (Qwen3.5 / Qwen3.6, Qwen3-Next)
@@ -74,7 +84,10 @@ class FusedProjections:
         """Member `index`'s output for input `x`: taken from the outputs the group computed for `x` when a
         sibling asked first, else computed for every member now. None where siblings turn out to read different
         inputs (outputs of another input still pending, as in cross-attention): the group dissolves (outside
-        compiled code) and the member computes its own rows."""
+        compiled code) and the member computes its own rows. Also None for inputs of more than `FUSED_MAX_ROWS`
+        rows, leaving the group as it is: the member computes its own rows."""
+        if x.numel() > FUSED_MAX_ROWS * self.in_features:
+            return None
         if self._outs is not None and self._x is not x:
             if not torch.compiler.is_compiling():
                 self.dissolve()
