@@ -491,6 +491,21 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
     return out.to(hidden.dtype)
 
 
+def _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e):
+    """What both prefills of whole-row-Hadamard experts start from: (intermediate width, gate/up and down group
+    sizes, the products' operand dtype, the tokens rotated with the gate's signs and with the up projection's
+    (the same tensor where the signs are), in float32)."""
+    from turboquant_hf import rotation
+
+    h = hidden.shape[1]
+    inter = gate_norms.shape[0] // e
+    wdt = torch.float32 if L._interpreting() else hidden.dtype
+    x = hidden.to(torch.float32)
+    xg = rotation.rotate_rows(x, gate_signs.float())
+    xu = xg if up_signs is gate_signs else rotation.rotate_rows(x, up_signs.float())
+    return inter, h // gate_norms.shape[1], inter // down_norms.shape[1], wdt, xg, xu
+
+
 def _hadamard_fused_routed(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs,
                            up_packed, up_norms, up_codebook, up_signs, down_packed, down_norms, down_codebook,
                            down_signs, e, act):
@@ -500,14 +515,10 @@ def _hadamard_fused_routed(hidden, top_k_index, top_k_weights, gate_packed, gate
     down product, `combine`. No host synchronisation and no scratch buffer."""
     from turboquant_hf import rotation
 
-    h = hidden.shape[1]
-    inter = gate_norms.shape[0] // e
-    g_h, g_i = h // gate_norms.shape[1], inter // down_norms.shape[1]
-    wdt = torch.float32 if L._interpreting() else hidden.dtype
+    inter, g_h, g_i, wdt, xg, xu = _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e)
     tok, pos, _, offs = _device_routing(top_k_index, e)
-    x = hidden.to(torch.float32)
-    xg = rotation.rotate_rows(x, gate_signs.float()).to(wdt)
-    xu = xg if up_signs is gate_signs else rotation.rotate_rows(x, up_signs.float()).to(wdt)
+    xg = xg.to(wdt)
+    xu = xg if up_signs is gate_signs else xu.to(wdt)
     gate = routed_lut_mm(xg, offs, gate_packed, gate_norms, gate_codebook, g_h, e, wdt, xrow=tok).float()
     up = routed_lut_mm(xu, offs, up_packed, up_norms, up_codebook, g_h, e, wdt, xrow=tok).float()
     mid = rotation.rotate_rows(act(gate) * up, down_signs.float()).to(wdt)
@@ -526,13 +537,8 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     from turboquant_hf import rotation
 
     h = hidden.shape[1]
-    inter = gate_norms.shape[0] // e
-    g_h, g_i = h // gate_norms.shape[1], inter // down_norms.shape[1]
-    wdt = torch.float32 if L._interpreting() else hidden.dtype
+    inter, g_h, g_i, wdt, xg, xu = _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e)
     tok, pos, chunks, grouped = _prefill_plan(hidden, top_k_index, e, inter * h, 3 * inter * h, wdt)
-    x = hidden.to(torch.float32)
-    xg = rotation.rotate_rows(x, gate_signs.float())
-    xu = xg if up_signs is gate_signs else rotation.rotate_rows(x, up_signs.float())
     xg, xu = xg[tok].to(wdt), xu[tok].to(wdt)  # the routed pairs' rows, sorted by expert
     d_signs = down_signs.float()
     y = None if len(chunks) == 1 else torch.empty(tok.numel(), h, dtype=wdt, device=hidden.device)
