@@ -69,6 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, launch, next_power_of_2
+
 try:  # programmatic dependent launch (Hopper and later; Triton >= 3.5)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     _HAS_GDC = True
@@ -106,7 +108,7 @@ def unit_geometry(n_levels: int, group_size: int) -> dict:
     g = group_size
     if n_levels == 3:
         bpg = -(-g // 5)
-        return dict(PER=5, PER_P=8, WPU=0, UPG=bpg, UPG_P=triton.next_power_of_2(bpg))
+        return dict(PER=5, PER_P=8, WPU=0, UPG=bpg, UPG_P=next_power_of_2(bpg))
     if n_levels == 4:
         per, wpu = 16, 1
     elif n_levels == 8:
@@ -478,12 +480,12 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     bm = 64 if m > 16 and x2.dtype != torch.float32 else 16
     exact16 = x2.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     bc = min(g, 64 if exact16 else 32)
-    grid = (triton.cdiv(m, bm), ng, g // bc)
+    grid = (cdiv(m, bm), ng, g // bc)
     hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
     pdl = _pdl(x2.device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
-    _rotate_kernel[grid](x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
-                         1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
-                         NUT=(ng * g) // unit if unit else 0, PDL=pdl, num_warps=4)
+    launch(_rotate_kernel, grid, x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
+           1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
+           NUT=(ng * g) // unit if unit else 0, PDL=pdl, num_warps=4)
     return (out.view(torch.int32), xs) if pairs else out
 
 
@@ -593,7 +595,7 @@ def _fma_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
     else:
         gpi = max(1, (per_thread * 32 * warps) // (bn * g_eff))
         gpi = 1 << (gpi.bit_length() - 1)
-    gpi = min(gpi, triton.next_power_of_2(ng))
+    gpi = min(gpi, next_power_of_2(ng))
     return bn, gpi, warps
 
 
@@ -629,12 +631,12 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     if m == 0 or n == 0:
         return out
     pk = _packed_view(packed, geo["WPU"])
-    grid = (triton.cdiv(n, bn), m)
+    grid = (cdiv(n, bn), m)
     idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
-    _gemv_fma_kernel[grid](x_rot, pk, norms, codebook, out, idx, n, ng, x_rot.stride(0), out.stride(0),
-                           NLEV=n_levels, G=group_size, PER=geo["PER"], WPU=geo["WPU"], UPG=geo["UPG"],
-                           UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
-                           EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels), num_warps=warps)
+    launch(_gemv_fma_kernel, grid, x_rot, pk, norms, codebook, out, idx, n, ng, x_rot.stride(0), out.stride(0),
+           NLEV=n_levels, G=group_size, PER=geo["PER"], WPU=geo["WPU"], UPG=geo["UPG"],
+           UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
+           EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels), num_warps=warps)
     return out
 
 
@@ -1629,8 +1631,8 @@ def pack_pairs(x_rot: torch.Tensor, unit: int, group_size: int) -> tuple[torch.T
     out = torch.empty(m, ng * g, dtype=torch.float16, device=x_rot.device)
     xs = torch.empty(m, ng, dtype=torch.float32, device=x_rot.device)
     if m and ng:
-        _pack_pairs_kernel[(m, ng)](x_rot, out, xs, k, x_rot.stride(0), out.stride(0), xs.stride(0), G=g,
-                                    GP=triton.next_power_of_2(g), PER_T=unit, NUT=ng * g // unit, num_warps=4)
+        launch(_pack_pairs_kernel, (m, ng), x_rot, out, xs, k, x_rot.stride(0), out.stride(0), xs.stride(0), G=g,
+               GP=next_power_of_2(g), PER_T=unit, NUT=ng * g // unit, num_warps=4)
     return out.view(torch.int32), xs
 
 
@@ -1707,12 +1709,13 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     pdl = _pdl(x2.device, 2 * x2.shape[1], n_levels if m == 1 and not experts else 0)
     if pdl:
         opts["launch_pdl"] = True
-    bu = bu or min(32 * warps, triton.next_power_of_2(nut))
+    bu = bu or min(32 * warps, next_power_of_2(nut))
     out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     if m == 0 or n == 0:
         return out
     idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
-    _gemv_pair_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+    launch(
+        _gemv_pair_kernel, (cdiv(n, bn), cdiv(m, bm)),
         x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, m, n, x2.stride(0), xs.stride(0),
         out.stride(0), NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm, USE_ASM=not _interpreting(),
         EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels, signed=True), PDL=pdl, PREFETCH=int(bool(prefetch)),
@@ -2082,7 +2085,8 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
         pdl = _pdl(x_rot.device)
         if pdl:
             opts["launch_pdl"] = True
-        _gemv_mma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        launch(
+            _gemv_mma_kernel, (cdiv(n, bn), cdiv(m, bm)),
             x_rot, _packed_view(packed, 1), norms, codebook, out, m, n, x_rot.stride(0), out.stride(0), NG=ng,
             NLEV=n_levels, G=group_size, KB=kb, BN=bn, BM=bm, S=warps * blocks,
             TUNED=_tuned(packed, n_levels, signed=True), F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(), PDL=pdl,
@@ -2092,12 +2096,12 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     geo = unit_geometry(n_levels, group_size)
     bn, warps, stages, lut = _with_mask(config or _dot_config(n, ng, n_levels, group_size), n_levels)
     pk = _packed_view(packed, geo["WPU"])
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
-    _gemv_dot_kernel[grid](x_rot, pk, norms, codebook, out, m, n, ng, x_rot.stride(0), out.stride(0),
-                           NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
-                           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, TUNED=_tuned(packed, n_levels),
-                           num_warps=warps,
-                           num_stages=stages)
+    grid = (cdiv(n, bn), cdiv(m, block_m))
+    launch(_gemv_dot_kernel, grid, x_rot, pk, norms, codebook, out, m, n, ng, x_rot.stride(0), out.stride(0),
+           NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
+           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, TUNED=_tuned(packed, n_levels),
+           num_warps=warps,
+           num_stages=stages)
     return out
 
 
@@ -2260,13 +2264,13 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
     # two programs an SM, each looping over blocks: H200, 3-bit, the rotation undone, us, 4 -> 2 an SM: 4096x4096
     # 26.2 -> 22.3, 4096x14336 68.3 -> 57.9, 14336x4096 70.5 -> 59.5, 2048x8192 26.8 -> 22.3 (2- and 4-bit alike;
     # 8 an SM or one program a block were slower, as were 128 rows a block or 8 warps)
-    grid = (min(triton.cdiv(n * ng, block_rows), programs or _sm_count(packed.device) * 2),)
+    grid = (min(cdiv(n * ng, block_rows), programs or _sm_count(packed.device) * 2),)
     sel = select.reshape(-1) if select is not None else norms  # (unused without a selection)
-    _dequant_lut_kernel[grid](pk, norms.contiguous(), _f32(codebook), signs1, signs2, hmat, out, sel, n, width,
-                              out.stride(0), 1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
-                              UPG=group_size // per, BR=block_rows, TUNED=_tuned(packed, n_levels),
-                              USE_ASM=not interp, UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
-                              num_warps=warps)
+    launch(_dequant_lut_kernel, grid, pk, norms.contiguous(), _f32(codebook), signs1, signs2, hmat, out, sel, n, width,
+           out.stride(0), 1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
+           UPG=group_size // per, BR=block_rows, TUNED=_tuned(packed, n_levels),
+           USE_ASM=not interp, UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
+           num_warps=warps)
     return out
 
 
@@ -2281,11 +2285,11 @@ def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torc
         return out
     pk = _packed_view(packed, geo["WPU"])
     bn = 32
-    grid = (triton.cdiv(n, bn), ng)
-    _dequant_kernel[grid](pk, norms, codebook, out, n, ng, out.stride(0),
-                          NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
-                          UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=LUT_MASKS[n_levels], TUNED=_tuned(packed, n_levels),
-                          num_warps=4)
+    grid = (cdiv(n, bn), ng)
+    launch(_dequant_kernel, grid, pk, norms, codebook, out, n, ng, out.stride(0),
+           NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
+           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=LUT_MASKS[n_levels], TUNED=_tuned(packed, n_levels),
+           num_warps=4)
     return out
 
 

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from . import linear as L
+from .launch import cdiv, launch, next_power_of_2
 from .linear import _byte_tables, _load_units, _lut_tile
 
 # Most (token, slot) pairs served by the pair GEMV path.
@@ -114,9 +115,9 @@ def act_mul(gu: torch.Tensor, inter: int, activation: str, out_dtype: torch.dtyp
         return (_activation(activation)(gf[:, :inter]) * gf[:, inter:]).to(out_dtype)
     out = torch.empty(r, inter, dtype=out_dtype, device=gu.device)
     if r:
-        br, bc = 16, min(256, triton.next_power_of_2(inter))
-        _act_mul_kernel[(triton.cdiv(r, br), triton.cdiv(inter, bc))](gu, out, r, inter, gu.stride(0), out.stride(0),
-                                                                       ACT=code, BR=br, BC=bc, num_warps=4)
+        br, bc = 16, min(256, next_power_of_2(inter))
+        launch(_act_mul_kernel, (cdiv(r, br), cdiv(inter, bc)), gu, out, r, inter, gu.stride(0),
+               out.stride(0), ACT=code, BR=br, BC=bc, num_warps=4)
     return out
 
 
@@ -153,9 +154,9 @@ def combine(y: torch.Tensor, pos: torch.Tensor, top_k_weights: torch.Tensor, out
     w = top_k_weights if top_k_weights.is_contiguous() else top_k_weights.contiguous()
     out = torch.empty(t, h, dtype=out_dtype, device=y.device)
     if t:
-        bc = min(1024, triton.next_power_of_2(h))
-        _combine_kernel[(t, triton.cdiv(h, bc))](y, pos, w, out, h, y.stride(0), out.stride(0), K=k, BC=bc,
-                                                 num_warps=4)
+        bc = min(1024, next_power_of_2(h))
+        launch(_combine_kernel, (t, cdiv(h, bc)), y, pos, w, out, h, y.stride(0), out.stride(0), K=k, BC=bc,
+               num_warps=4)
     return out
 
 
@@ -300,13 +301,13 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
     tok = torch.empty(p, dtype=torch.int64, device=dev)
     pos = torch.empty(p, dtype=torch.int32, device=dev)
     block = 1024
-    grid = (triton.cdiv(p, block),)
+    grid = (cdiv(p, block),)
     if p:
-        _route_count_kernel[grid](idx, scratch, p, E=e, BLOCK=block, num_warps=4)
-    _route_scan_kernel[(1,)](scratch, scratch[e + 1:], meta, meta[e:], p, E=e, EP=triton.next_power_of_2(e + 1),
-                             num_warps=4)
+        launch(_route_count_kernel, grid, idx, scratch, p, E=e, BLOCK=block, num_warps=4)
+    launch(_route_scan_kernel, (1,), scratch, scratch[e + 1:], meta, meta[e:], p, E=e, EP=next_power_of_2(e + 1),
+           num_warps=4)
     if p:
-        _route_place_kernel[grid](idx, scratch[e + 1:], tok, pos, p, K=k, E=e, BLOCK=block, num_warps=4)
+        launch(_route_place_kernel, grid, idx, scratch[e + 1:], tok, pos, p, K=k, E=e, BLOCK=block, num_warps=4)
     return tok, pos, meta[:e], meta[e:]
 
 
@@ -629,7 +630,7 @@ def _routed_config(pairs: int, e: int) -> tuple[int, int]:
     64 (M = 2048) 128 x 128: 334 / 222 (64 x 128: 424 / 255); 256 (M = 8192) 128 x 128: 803 / 543. Four warps
     throughout (eight were slower everywhere; 256-row blocks spill)."""
     mean = max(1, -(-pairs // e))
-    bm = max(16, min(128, triton.next_power_of_2(2 * mean)))
+    bm = max(16, min(128, next_power_of_2(2 * mean)))
     return bm, 64 if bm == 16 else 128
 
 
@@ -657,12 +658,12 @@ def routed_lut_mm(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, nor
         return out
     bm, bn = _routed_config(p, num_experts)
     bm, bn = block_rows or bm, block_n or bn
-    grid = (min(num_experts, p) + p // bm, triton.cdiv(n, bn))
+    grid = (min(num_experts, p) + p // bm, cdiv(n, bn))
     xs = x if x.stride(-1) == 1 else x.contiguous()
-    _routed_lut_mm_kernel[grid](xs, xrow if xrow is not None else offs, offs, L._packed_view(packed, 1),
-                                norms.contiguous(), L._f32(codebook), out, n, xs.stride(0), out.stride(0),
-                                E=num_experts, EP=triton.next_power_of_2(num_experts), NG=ng,
-                                NLEV=codebook.numel(), G=group_size, UPG=group_size // per, BN=bn, BM=bm,
-                                TUNED=L._tuned(packed, codebook.numel()), USE_ASM=not L._interpreting(),
-                                GATHER=xrow is not None, num_warps=warps)
+    launch(_routed_lut_mm_kernel, grid, xs, xrow if xrow is not None else offs, offs, L._packed_view(packed, 1),
+           norms.contiguous(), L._f32(codebook), out, n, xs.stride(0), out.stride(0),
+           E=num_experts, EP=next_power_of_2(num_experts), NG=ng,
+           NLEV=codebook.numel(), G=group_size, UPG=group_size // per, BN=bn, BM=bm,
+           TUNED=L._tuned(packed, codebook.numel()), USE_ASM=not L._interpreting(),
+           GATHER=xrow is not None, num_warps=warps)
     return out

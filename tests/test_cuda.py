@@ -247,3 +247,45 @@ def test_hybrid_moe_model_fused_at_load_on_gpu_matches_unfused(bits, tmp_path):
     assert rel(got["qkv"], want["qkv"]) < 1e-2  # from the fused op (other rows, maybe another kernel config)
     for k in ("z", "b", "a"):  # computed alone after the group dissolved
         assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("bits", [3, 4, 1.58])
+def test_cached_launch_runs_the_kernels_triton_picks(bits, monkeypatch):
+    """`kernels.launch` (compiled kernels launched from its own cache) against Triton's launch path: the same bits
+    at every path of the op (pair GEMV, tensor-core GEMV, 17-64 rows, decode + cuBLAS), for activations at a
+    16-byte-aligned address and at one that is not (a specialization of its own), and within the reference's
+    error; repeated calls hit the cache."""
+    from turboquant_hf import layout, ops
+    from turboquant_hf import format as fmt
+    from turboquant_hf.kernels import launch as LA
+    from turboquant_hf.kernels import linear as L
+    from turboquant_hf.modules import format_constants
+
+    g, n, k = 128, 1000, 1056
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    packed, norms = codec.quantize_weight(w, bits, g)
+    nl = fmt.levels_for_bits(bits)
+    runtime = layout.wanted(nl, g)
+    pk = (layout.to_runtime(packed, nl, g, norms.shape[1]) if runtime else packed).cuda()
+    nr = norms.to(fmt.default_norms_dtype(nl)).cuda()
+    cb, s1, s2 = format_constants(nl, g, torch.device("cuda"), runtime)
+    monkeypatch.setattr(LA, "_CACHE", {})
+    for m in (1, 2, 7, 40, 200):
+        for offset in (0, 1):  # (bf16: one element = 2 bytes off the 16-byte alignment)
+            flat = torch.randn(m * k + offset, generator=gen).to(torch.bfloat16).cuda()
+            x = flat[offset:].view(m, k)
+            assert (x.data_ptr() % 16 == 0) == (offset == 0)
+            monkeypatch.setattr(LA, "ENABLED", True)
+            first = L.linear(x, pk, nr, cb, s1, s2, g, k)
+            cached = L.linear(x, pk, nr, cb, s1, s2, g, k)
+            monkeypatch.setattr(LA, "ENABLED", False)
+            tritons = L.linear(x, pk, nr, cb, s1, s2, g, k)
+            assert torch.equal(first, tritons) and torch.equal(cached, tritons), (m, offset)
+            want = ops.turboquant_linear(x.float().cpu(), packed, norms, fmt.codebook(nl, g, "cpu"),
+                                         *fmt.signs(g, "cpu"), g, k)
+            assert rel(cached, want) < 1e-2, (m, offset, rel(cached, want))
+    assert LA._CACHE
+    # both alignments of the activations were launched from the cache, as separate entries
+    rot = [key for key in LA._CACHE if key[0] is L._rotate_kernel]
+    assert {key[2][0][1] for key in rot} == {True, False}

@@ -1,0 +1,148 @@
+"""The kernels' launcher (`turboquant_hf.kernels.launch`): its cache key against Triton's own specialization, and
+the cache's bookkeeping (the GPU test in tests/test_cuda.py runs it on real kernels)."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import pytest
+import torch
+
+from turboquant_hf.kernels import launch as LA
+
+triton = pytest.importorskip("triton")
+
+
+def test_host_helpers_equal_tritons():
+    for n in range(0, 3000):
+        assert LA.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 128, 1000):
+            assert LA.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert LA.next_power_of_2(2**40 + 1) == 2**41
+
+
+def _values():
+    ints = [0, 1, 2, 15, 16, 17, 31, 32, 48, 4096, 14336, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32, 2**40,
+            2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16, -1, -16, -17, -(2**31), -(2**31) - 1,
+            -(2**31) - 16, -(2**63)]
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base, base[1:], base[4:], base[8:], base.view(torch.int32), base.view(torch.int32)[3:],
+               base.view(torch.bfloat16), base.view(torch.bfloat16)[1:], base.view(torch.bfloat16)[8:],
+               base.view(torch.float16)[16:], base.view(torch.uint8), base.view(torch.uint8)[7:]]
+    return ints + [0.5, 1.0, -3.25, True, False, None] + tensors
+
+
+def test_key_is_at_least_as_fine_as_tritons_specialization():
+    """Arguments that `launch` keys alike are specialized alike by Triton (its native specializer, as its launch
+    path calls it for a parameter that is specialized on value and alignment): a cached compiled kernel is the
+    one Triton would have picked."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:  # pragma: no cover - a Triton without the native specializer
+        pytest.skip("this Triton has no native_specialize_impl")
+
+    def tritons(v):
+        return native_specialize_impl(BaseBackend, v, False, True, True)
+
+    values = _values()
+    distinct_triton = {repr(tritons(v)) for v in values}
+    assert len(distinct_triton) >= 10  # (the values do exercise Triton's specializations)
+    for a, b in itertools.combinations(values, 2):
+        if LA._spec(a) == LA._spec(b):
+            assert tritons(a) == tritons(b), (a if not isinstance(a, torch.Tensor) else (a.dtype, a.data_ptr() % 16),
+                                              b if not isinstance(b, torch.Tensor) else (b.dtype, b.data_ptr() % 16))
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+
+
+class _Compiled:
+    """What Triton's launch returns: a compiled kernel launched as `compiled[grid](*all_args)`."""
+    run = function = packed_metadata = launch_metadata = None
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+class JITFunction:
+    """A stand-in for `triton.runtime.jit.JITFunction` (the launcher checks the type's name): records the calls
+    that take Triton's own launch path."""
+
+    def __init__(self):
+        self.params = [_Param("x"), _Param("n"), _Param("A"), _Param("B", default=7), _Param("C", default=None)]
+        self.slow = []
+        self.compiled = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.slow.append((grid, args, meta))
+            self.compiled.append(_Compiled())
+            return self.compiled[-1]
+
+        return run
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(LA, "ENABLED", True)
+    monkeypatch.setattr(LA, "_CACHE", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_launch_caches_the_compiled_kernel_per_key(fresh):
+    k = JITFunction()
+    base = torch.zeros(64)
+    LA.launch(k, (4,), base, 32, A=3, num_warps=4)
+    assert len(k.slow) == 1 and k.slow[0] == ((4,), (base, 32), {"A": 3, "num_warps": 4})
+    # the same key (another aligned tensor, another multiple of 16 that is not 1): the compiled kernel, with every
+    # parameter in signature order (constexprs given by keyword, the rest their defaults) and a 3-D grid
+    other = torch.ones(32)
+    LA.launch(k, (5, 2), other, 48, A=3, num_warps=4)
+    assert len(k.slow) == 1
+    assert k.compiled[0].launches == [((5, 2, 1), (other, 48, 3, 7, None))]
+    # what Triton specializes differently goes through Triton again: a misaligned tensor, an integer that is 1 or
+    # not a multiple of 16, another dtype, another constexpr value or launch option
+    for args, meta in [((base[1:], 32), {"A": 3, "num_warps": 4}), ((base, 1), {"A": 3, "num_warps": 4}),
+                       ((base, 33), {"A": 3, "num_warps": 4}), ((base.half(), 32), {"A": 3, "num_warps": 4}),
+                       ((base, 32), {"A": 4, "num_warps": 4}), ((base, 32), {"A": 3, "num_warps": 8}),
+                       ((base, 32), {"A": 3, "B": 9, "num_warps": 4})]:
+        before = len(k.slow)
+        LA.launch(k, (1,), *args, **meta)
+        assert len(k.slow) == before + 1, (args, meta)
+    assert len(LA._CACHE) == 8
+    # each of those keys now launches its own compiled kernel
+    LA.launch(k, (1,), base[1:], 32, A=3, num_warps=4)
+    assert len(k.slow) == 8 and k.compiled[1].launches[-1][1][0].data_ptr() == base[1:].data_ptr()
+    LA.launch(k, (1,), base, 32, A=3, B=9, num_warps=4)
+    assert k.compiled[7].launches[-1] == ((1, 1, 1), (base, 32, 3, 9, None))
+
+
+def test_launch_falls_back_to_triton(fresh, monkeypatch):
+    k = JITFunction()
+    t = torch.zeros(16)
+    # a tensor passed by keyword: never cached (the key would hold the tensor itself)
+    for _ in range(3):
+        LA.launch(k, (1,), t, 16, A=t)
+    assert len(k.slow) == 3 and not LA._CACHE
+    # anything that is not a JITFunction (the interpreter's kernels, a test's stub) always takes its own path
+    calls = []
+
+    class Other:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(grid)
+
+    for _ in range(2):
+        LA.launch(Other(), (2,), t, 16, A=1)
+    assert calls == [(2,), (2,)] and not LA._CACHE
+    # TURBOQUANT_FAST_LAUNCH=0
+    monkeypatch.setattr(LA, "ENABLED", False)
+    for _ in range(2):
+        LA.launch(k, (1,), t, 16, A=1)
+    assert len(k.slow) == 5 and not LA._CACHE
