@@ -49,7 +49,10 @@ def _spec(a):
         return a == 1, a % 16 == 0, _I32[0] <= a <= _I32[1], _I64[0] <= a <= _I64[1]
     if t is float:
         return t
-    return t, a  # (None, bools, anything else: the value itself; unhashable values fall back)
+    if a is None or t is bool:
+        return t, a
+    # anything else (a NumPy or symbolic integer, ...): Triton's path, rather than a cache entry per value
+    raise TypeError(f"no launch key for {t.__name__}")
 
 
 def _tail(kernel, n_args: int, meta: dict) -> tuple:
@@ -69,7 +72,7 @@ def launch(kernel, grid: tuple, *args, **meta):
     try:
         key = (kernel, torch.cuda.current_device(), tuple(map(_spec, args)), tuple(meta.items()))
         entry = _CACHE.get(key)
-    except TypeError:  # unhashable: Triton's path
+    except TypeError:  # an argument without a key of ours, or unhashable: Triton's path
         return kernel[grid](*args, **meta)
     if entry is None:
         compiled = kernel[grid](*args, **meta)

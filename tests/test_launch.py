@@ -146,3 +146,12 @@ def test_launch_falls_back_to_triton(fresh, monkeypatch):
     for _ in range(2):
         LA.launch(k, (1,), t, 16, A=1)
     assert len(k.slow) == 5 and not LA._CACHE
+
+
+def test_arguments_without_a_key_take_tritons_path(fresh):
+    """Integers of other types (NumPy's, ...) are not keyed by value (a cache entry per value): Triton's path."""
+    np = pytest.importorskip("numpy")
+    k = JITFunction()
+    for v in (16, 32, 48):
+        LA.launch(k, (1,), torch.zeros(16), np.int64(v), A=1)
+    assert len(k.slow) == 3 and not LA._CACHE
