@@ -33,7 +33,11 @@ codes, read with `layout.runtime_codebook`):
      chosen so that a lane's decoded pairs are its operand registers, with no
      shared-memory round trip), each block's product scaled by its group
      norm; ternary (`_gemv_dot_kernel`) decodes one group per step to a
-     `[BN, G]` tile with selects. Float32 accumulation.
+     `[BN, G]` tile with selects. Float32 accumulation. For weights of at
+     least X_ORDER_MIN values the rotation writes the activations in the
+     order the tensor-core GEMV's lanes read them (`_mma_column`), so each
+     row's four lanes load 64 consecutive bytes instead of 16-byte pieces
+     spread over a block.
    - `gemv_dot` again for 16-bit activations and 2-, 3- and 4-bit weights
      up to MID_MAX_M rows (`_mid_config`): 32 activation rows a program, so
      each decoded weight tile feeds twice as many rows before the next is
@@ -87,6 +91,12 @@ except ImportError:  # pragma: no cover - older Triton
 
 # Largest M served by the tensor-core GEMV; above it: dequantize + cuBLAS.
 DOT_MAX_M = 16
+# Whether the tensor-core GEMV reads activations that the rotation wrote in its order (`_mma_column`, `x_order`),
+# for weights of at least X_ORDER_MIN values (rows x padded inputs); below that the natural order measured as fast
+# or faster (H200, Triton 3.6, M = 8-64: 2048x1024 and 512x2048 up to 0.7 us slower ordered, 2048x8192 and up
+# 0-18 % faster). Keyed on the weight shape, never on M.
+X_ORDER = True
+X_ORDER_MIN = 1 << 22
 # Largest M served by the FMA GEMV for 16-bit activations (float32 always uses it up to DOT_MAX_M).
 FMA_MAX_M = 1
 # Largest M served by the tensor-core GEMV with 32 activation rows a program (DOT_MAX_M < M, 16-bit activations,
@@ -409,7 +419,8 @@ def _pair_column(col, PER_T: tl.constexpr, NUT: tl.constexpr):
 @triton.jit
 def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, xs_ptr, M, K, stride_xm, stride_om, stride_sm, scale,
                    G: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, EXACT16: tl.constexpr,
-                   PER_T: tl.constexpr, NUT: tl.constexpr, PDL: tl.constexpr):
+                   PER_T: tl.constexpr, NUT: tl.constexpr, PDL: tl.constexpr, MMA_KB: tl.constexpr = 0,
+                   MMA_PER: tl.constexpr = 0):
     if PDL:  # the GEMV that reads this output may start its prologue now (it waits for this grid's end)
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -444,8 +455,31 @@ def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, xs_ptr, M, K, stride_x
         if pid_c == 0:
             tl.store(xs_ptr + rm * stride_sm + pid_g, tl.exp2(ex), mask=mmask)
         col = _pair_column(col, PER_T, NUT)
-    optr = out_ptr + rm[:, None] * stride_om + col[None, :]
-    tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+    if MMA_KB > 0:  # runs of 8 columns move together: 16-byte stores
+        dst = _mma_column(pid_g * G + pid_c * BC + 8 * tl.arange(0, BC // 8), MMA_KB, MMA_PER)
+        optr = out_ptr + rm[:, None, None] * stride_om + dst[None, :, None] + tl.arange(0, 8)[None, None, :]
+        tl.store(optr, tl.reshape(y, [BM, BC // 8, 8]).to(out_ptr.dtype.element_ty), mask=mmask[:, None, None])
+    else:
+        optr = out_ptr + rm[:, None] * stride_om + col[None, :]
+        tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+@triton.jit
+def _mma_column(col, KB: tl.constexpr, PER: tl.constexpr):
+    """Where the run of 8 columns starting at `col` (a multiple of 8) of a rotated row goes in the tensor-core
+    GEMV's activation order (`rotate(..., mma_levels=...)`): within each block of KB columns, elements e to
+    e + 7 (e a multiple of 8) of unit ub (PER elements a unit, R = KB // (4 PER) units a lane, the lane t =
+    ub // R with lanes 1 and 2 swapped, r = ub % R) move from ub PER + e to ((r V + e // 8) 4 + t) 8, V =
+    PER // 8, so that the four lanes of an activation row read 64 consecutive bytes per load (their 16-byte
+    pieces lie 64 bytes apart in row order). (Written as a sum of multiples of 8, which keeps the stores
+    16-byte vectors.)"""
+    R: tl.constexpr = KB // (4 * PER)
+    V: tl.constexpr = PER // 8
+    kin = col % KB
+    ub = kin // PER
+    q = ub // R
+    t = (q & 1) * 2 + (q >> 1)
+    return (col // KB) * KB + (((ub % R) * V + (kin % PER) // 8) * 4 + t) * 8
 
 
 _HADAMARD: dict = {}
@@ -462,11 +496,13 @@ def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
-           out_dtype: torch.dtype, unit: int = 0):
+           out_dtype: torch.dtype, unit: int = 0, mma_levels: int = 0):
     """`(M, in)` activations -> `(M, n_groups*G)` rotated, zero-padded, in `out_dtype`.
 
     With `unit` > 0 (`lut_unit(levels)`): the pair GEMV's activations `(x2, scales)` for weights of that
-    unit instead (see `gemv_pairs`; `out_dtype` is ignored)."""
+    unit instead (see `gemv_pairs`; `out_dtype` is ignored). With `mma_levels` (a codebook size for which
+    `mma_order` holds): the columns in the tensor-core GEMV's order (`_mma_column`; `gemv_dot(...,
+    x_order=True)` reads them)."""
     m, k = x2.shape
     g = group_size
     ng = -(-k // g)
@@ -483,9 +519,13 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     grid = (cdiv(m, bm), ng, g // bc)
     hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
     pdl = _pdl(x2.device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
+    mkb = _mma_block(mma_levels, g) if mma_levels else 0
+    if mkb and not mma_order(mma_levels, g):
+        raise ValueError(f"no tensor-core activation order for {mma_levels} levels at G = {g}")
     launch(_rotate_kernel, grid, x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
            1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
-           NUT=(ng * g) // unit if unit else 0, PDL=pdl, num_warps=4)
+           NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
+           num_warps=4)
     return (out.view(torch.int32), xs) if pairs else out
 
 
@@ -1330,11 +1370,14 @@ def _mma_norm_rows(p, rows, N, mask, NG: tl.constexpr, A: tl.constexpr):
 
 @triton.jit
 def _mma_x(xrow, blk, xub, UPB: tl.constexpr, NUT: tl.constexpr, PER: tl.constexpr, EVEN: tl.constexpr,
-           PART: tl.constexpr):
-    """The activations of blocks `blk` (clamped to the last unless EVEN) as the flat tile of `_gemv_mma_kernel`."""
+           PART: tl.constexpr, XORDER: tl.constexpr = 0, KB: tl.constexpr = 0):
+    """The activations of blocks `blk` (clamped to the last unless EVEN) as the flat tile of `_gemv_mma_kernel`
+    (XORDER: read from the kernel's activation order, whole blocks only)."""
     NBLK: tl.constexpr = (NUT + UPB - 1) // UPB
     if not EVEN:
         blk = tl.minimum(blk, NBLK - 1)
+    if XORDER:
+        return tl.load(xrow + blk * KB)
     xun = blk * UPB + xub
     if PART:
         xun = tl.minimum(xun, NUT - 1)
@@ -1773,7 +1816,8 @@ def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_
 def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, stride_om,
                      NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr,
                      BM: tl.constexpr, S: tl.constexpr, TUNED: tl.constexpr, F16: tl.constexpr,
-                     PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, LANES_FIRST: tl.constexpr = 0):
+                     PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, LANES_FIRST: tl.constexpr = 0,
+                     XORDER: tl.constexpr = 0):
     """2-, 3- and 4-bit weights on the tensor cores: one program per BN weight rows x BM (8 or 16) activation
     rows, S block lanes (S a multiple of num_warps) splitting the row's blocks of KB inputs (lane s takes
     blocks s, s + S, ...; a batched `tl.dot` over the S axis keeps every warp on its own S / num_warps lanes, so
@@ -1844,7 +1888,10 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
         xt = tl.arange(0, 4)[None, None, None, None, None, :, None]
     xc = tl.arange(0, 8)[None, None, None, None, None, None, :]
     xub = ((xt & 1) * 2 + (xt >> 1)) * R + xr
-    xrow = xr_ptr + tl.minimum(pid_m * BM + 8 * xh + xg, M - 1) * stride_xm + 8 * xv + xc
+    if XORDER:  # activations in this kernel's order (`_mma_column`): block b at b KB, piece (r, v, t) at its offset
+        xrow = xr_ptr + tl.minimum(pid_m * BM + 8 * xh + xg, M - 1) * stride_xm + ((xr * (PER // 8) + xv) * 4 + xt) * 8 + xc
+    else:
+        xrow = xr_ptr + tl.minimum(pid_m * BM + 8 * xh + xg, M - 1) * stride_xm + 8 * xv + xc
     # norms (per block): [S, BN] as A loads of [S, 16]
     nrow = pid_n * BN + tl.arange(0, 16)[None, :]  # (rows 16 a + i: clamped per load)
     ns = tl.arange(0, S)[:, None]
@@ -1862,7 +1909,7 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
         gdc_wait()
     XAHEAD: tl.constexpr = PREFETCH == 2  # activations and norms also a block ahead
     if XAHEAD:
-        xn = _mma_x(xrow, tl.minimum(xs, NBLK - 1), xub, UPB, NUT, PER, True, PART)
+        xn = _mma_x(xrow, tl.minimum(xs, NBLK - 1), xub, UPB, NUT, PER, True, PART, XORDER, KB)
         nrn = tl.zeros([S, BN], dtype=tl.float32)  # (FOLD: unused)
         if not FOLD:
             nrn = _mma_block_norms(nrm_ptr, tl.minimum(ns, NBLK - 1), nrow, N, NBLK, UPB, UPG, NG, A, True)
@@ -1917,12 +1964,12 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
             xa = xn
             nr = nrn
             if ITERS > 1:
-                xn = _mma_x(xrow, tl.minimum((i + 1) * S + xs, NBLK - 1), xub, UPB, NUT, PER, True, PART)
+                xn = _mma_x(xrow, tl.minimum((i + 1) * S + xs, NBLK - 1), xub, UPB, NUT, PER, True, PART, XORDER, KB)
                 if not FOLD:
                     nrn = _mma_block_norms(nrm_ptr, tl.minimum((i + 1) * S + ns, NBLK - 1), nrow, N, NBLK, UPB, UPG,
                                            NG, A, True)
         else:
-            xa = _mma_x(xrow, i * S + xs, xub, UPB, NUT, PER, EVEN, PART)
+            xa = _mma_x(xrow, i * S + xs, xub, UPB, NUT, PER, EVEN, PART, XORDER, KB)
         # axes (v, mh, r, s, mg, t, c) -> c = 2 q' + e, q = q' + 4 v -> s mh mg r v q' t e
         if LANES_FIRST:  # axes (t, mg, s, v, mh, r, q', e) -> s mh mg r v q' t e
             xa = tl.reshape(xa, [4, 8, S, PER // 8, MH, R, 4, 2])
@@ -1985,12 +2032,19 @@ def _mma_serves(n_levels: int, g: int) -> bool:
     return bool(lut_unit(n_levels, g)) and (g % kb == 0 or kb % g == 0)
 
 
+def mma_order(n_levels: int, g: int) -> bool:
+    """Whether `rotate(..., mma_levels=n_levels)` can put activations in `_gemv_mma_kernel`'s order: the kernel
+    serves the codebook and group size, and its blocks of inputs are whole groups or within one."""
+    return _mma_serves(n_levels, g) and g % _mma_block(n_levels, g) == 0
+
+
 def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     """Launch configuration of the tensor-core GEMV, from the weight shape only (never from M).
 
     2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch, maxnreg, blocks). Each program
     takes BN weight rows and S = num_warps x blocks of the row's KB-input blocks per step, so that many
-    independent loads are in flight: S = 16 (4 warps of 4 blocks) below 8192 rows, 8 (2 warps of 4) below 16384,
+    independent loads are in flight: S = 16 (4 warps of 4 blocks) below 8192 rows or for rows of at most 16
+    blocks (one step a row; 2048x8192, M = 16, activation order: 9.1 -> 8.0 us), 8 (2 warps of 4) below 16384,
     else 4 (one warp of 4), BN = 16 below 8192 rows, else 32. 4-bit, whose two lookups a value hold more
     registers (255 a thread at 2 warps of 4 blocks, 12.5 % occupancy under ncu), takes 4 warps: of 4 blocks
     and 16 rows below 4096 rows, of 2 and 32 rows below 8192, else of 1 and 32 rows (GEMV alone at M = 16,
@@ -2000,7 +2054,9 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     16, the benchmark shapes, 16 configurations), after the tiles were arranged for that release: at M = 16
     these were the fastest or within 4 % of it at every shape, and 1.35-1.9x faster than one block per warp and
     step (the previous choice; 1.4-2.0x at M = 8 where measured); rows of 64 over 2 warps came close on the
-    longest rows. One stage: the loop is pipelined by hand, and Triton's pipelining would stage the operands
+    longest rows. Swept again with the activation order (`X_ORDER`; 3-bit, M = 16, 36 configurations, BN 16-64,
+    1-4 warps of 1-4 blocks, prefetch 1 and 2): these stayed fastest or within 9 % at the benchmark shapes. One
+    stage: the loop is pipelined by hand, and Triton's pipelining would stage the operands
     through shared memory.
 
     Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
@@ -2011,7 +2067,8 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
         if n_levels == 16:  # its lookups hold more registers: fewer blocks per warp, 4 warps
             bn, warps, blocks = (16, 4, 4) if n < 4096 else (32, 4, 2) if n < 8192 else (32, 4, 1)
         else:
-            bn, (warps, blocks) = 16 if n < 8192 else 32, (4, 4) if n < 8192 else (2, 4) if n < 16384 else (1, 4)
+            bn = 16 if n < 8192 else 32
+            warps, blocks = (4, 4) if n < 8192 or nblk <= 16 else (2, 4) if n < 16384 else (1, 4)
         while warps * blocks > nblk and blocks > 1:
             blocks //= 2
         while warps * blocks > nblk and warps > 1:
@@ -2047,7 +2104,8 @@ def mid_m(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> bool:
 
 
 def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
-             group_size: int, out_dtype: torch.dtype, config=None, block_m: int = 16, mma_rows: int = 0) -> torch.Tensor:
+             group_size: int, out_dtype: torch.dtype, config=None, block_m: int = 16, mma_rows: int = 0,
+             x_order: bool = False) -> torch.Tensor:
     """`(M, n_groups*G)` rotated activations (bf16/fp16; float32 in the interpreter) times the packed
     weight on the tensor cores -> `(M, rows)` in out_dtype.
 
@@ -2057,8 +2115,9 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     instead). `config`: (BN, num_warps, num_stages[, prefetch[, maxnreg[,
     blocks]]]) as `_dot_config` returns it (BN = 16, 32, 64 or 128; maxnreg 0: no cap; blocks: the blocks of KB
     inputs each warp takes per step, 1 by default, so S = num_warps * blocks); a fourth field that is not a
-    bool (the select kernel's lookup mask) is ignored. Ternary: `_gemv_dot_kernel`, config (BN, num_warps, num_stages[,
-    LUT mask]), `block_m` activation rows per program."""
+    bool (the select kernel's lookup mask) is ignored. `x_order`: `x_rot` comes from `rotate(...,
+    mma_levels=...)`, in the kernel's activation order (`mma_order` must hold). Ternary: `_gemv_dot_kernel`,
+    config (BN, num_warps, num_stages[, LUT mask]), `block_m` activation rows per program."""
     m = x_rot.shape[0]
     n, ng = norms.shape
     n_levels = codebook.numel()
@@ -2066,6 +2125,8 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     if m == 0 or n == 0:
         return out
     kb = _mma_block(n_levels, group_size)
+    if x_order and not mma_order(n_levels, group_size):
+        raise ValueError(f"no tensor-core activation order for {n_levels} levels at G = {group_size}")
     if _mma_serves(n_levels, group_size):
         default = _dot_config(n, ng, n_levels, group_size)
         bm = 8 if m <= 8 else 16
@@ -2090,7 +2151,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
             x_rot, _packed_view(packed, 1), norms, codebook, out, m, n, x_rot.stride(0), out.stride(0), NG=ng,
             NLEV=n_levels, G=group_size, KB=kb, BN=bn, BM=bm, S=warps * blocks,
             TUNED=_tuned(packed, n_levels, signed=True), F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(), PDL=pdl,
-            LANES_FIRST=_lanes_first(),
+            LANES_FIRST=_lanes_first(), XORDER=bool(x_order),
             num_warps=warps, num_stages=stages, **opts)
         return out
     geo = unit_geometry(n_levels, group_size)
@@ -2424,8 +2485,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
         y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)
     elif m <= DOT_MAX_M or mid_m(m, codebook.numel(), group_size, dt):
         # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
-        x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt)
-        y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt)
+        order = X_ORDER and norms.numel() * group_size >= X_ORDER_MIN and mma_order(codebook.numel(), group_size)
+        x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt,
+                       mma_levels=codebook.numel() if order else 0)
+        y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt, x_order=order)
     elif sixteen and unit:
         # prefill: the weight itself into a scratch buffer (its rotation undone on the tensor cores), then cuBLAS
         # on the activations as they are: one kernel fewer than rotating them

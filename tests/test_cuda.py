@@ -289,3 +289,38 @@ def test_cached_launch_runs_the_kernels_triton_picks(bits, monkeypatch):
     # both alignments of the activations were launched from the cache, as separate entries
     rot = [key for key in LA._CACHE if key[0] is L._rotate_kernel]
     assert {key[2][0][1] for key in rot} == {True, False}
+
+
+@pytest.mark.parametrize("bits,g", [(2, 64), (3, 128), (4, 128), (3, 256)])
+def test_activation_order_on_gpu_matches_natural(bits, g, monkeypatch):
+    """At real shapes on the GPU, the tensor-core GEMV reading activations in its own order (`X_ORDER`, the
+    rotation's 16-byte stores) gives the natural order's output bit for bit, for M = 5, 16 and 40, activations
+    aligned and not; below X_ORDER_MIN weight values the natural order is used."""
+    from turboquant_hf import layout
+    from turboquant_hf import format as fmt
+    from turboquant_hf.kernels import linear as L
+    from turboquant_hf.modules import format_constants
+
+    gen = torch.Generator().manual_seed(bits + g)
+    nl = fmt.levels_for_bits(bits)
+    for n, k in ((4096, 4096), (1000, 1056)):
+        packed, norms = codec.quantize_weight(torch.randn(n, k, generator=gen) * 0.02, bits, g)
+        runtime = layout.wanted(nl, g)
+        pk = (layout.to_runtime(packed, nl, g, norms.shape[1]) if runtime else packed).cuda()
+        nr = norms.to(fmt.default_norms_dtype(nl)).cuda()
+        cb, s1, s2 = format_constants(nl, g, torch.device("cuda"), runtime)
+        big = n * norms.shape[1] * g >= L.X_ORDER_MIN
+        assert big == (n == 4096)
+        for m in (5, 16, 40):
+            for offset in (0, 1):
+                x = torch.randn(m * k + offset, generator=gen).to(torch.bfloat16).cuda()[offset:].view(m, k)
+                levels = []
+                monkeypatch.setattr(L, "rotate", lambda *a, _f=L.rotate, **kw: levels.append(kw.get("mma_levels", 0))
+                                    or _f(*a, **kw))
+                monkeypatch.setattr(L, "X_ORDER", True)
+                ordered = L.linear(x, pk, nr, cb, s1, s2, g, k)
+                monkeypatch.setattr(L, "X_ORDER", False)
+                natural = L.linear(x, pk, nr, cb, s1, s2, g, k)
+                monkeypatch.undo()
+                assert levels == [nl if big else 0, 0], (n, m, levels)
+                assert torch.equal(ordered, natural), (n, k, m, offset, rel(ordered, natural))

@@ -362,6 +362,61 @@ def test_mma_gemv_matches_reference(L, bits, g):
         L._LANES_FIRST = None
 
 
+@pytest.mark.parametrize("bits,g", [(2, 64), (4, 64), (3, 128), (3, 256)])
+def test_mma_activation_order(L, bits, g, monkeypatch):
+    """`rotate(..., mma_levels=...)` writes the rotated activations in the tensor-core GEMV's order: within each
+    block of KB inputs, the same permutation of runs of 8 for every row and block, and `gemv_dot(...,
+    x_order=True)` on them gives the natural order's output bit for bit (M = 3, 13 and 37 with 32 rows a
+    program, rows not a multiple of BN, K not a multiple of G, prefetch 1 and 2, 1 and 2 warps of 2 and 4
+    blocks); `linear` takes that path for weights of X_ORDER_MIN values or more, with the same output."""
+    n, k = 40, g + 56
+    packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=bits + g)
+    nl, ng = cb.numel(), norms.shape[1]
+    pk = layout.to_runtime(packed, nl, g, ng) if layout.wanted(nl, g) else packed
+    kcb = _kcb(pk, cb)
+    kb = L._mma_block(nl, g)
+    assert L.mma_order(nl, g) and (ng * g) % kb == 0
+    gen = torch.Generator().manual_seed(g + bits)
+    for m, cfgs, rows in ((3, (None,), 0), (13, ((16, 1, 1, 2, 0, 4), (32, 2, 1, 1, 0, 2)), 0), (37, (None,), 32)):
+        x = torch.randn(m, k, generator=gen)
+        nat = L.rotate(x, s1, s2, g, torch.float32)
+        ordered = L.rotate(x, s1, s2, g, torch.float32, mma_levels=nl)
+        assert ordered.shape == nat.shape and not torch.equal(ordered, nat)
+        # runs of 8: each ordered run is one natural run of its block, the same one for every row and block
+        a = ordered.view(m, -1, kb // 8, 8)
+        b = nat.view(m, -1, kb // 8, 8)
+        match = (a[:, :, :, None, :] == b[:, :, None, :, :]).all(-1)  # [m, blocks, ordered run, natural run]
+        assert (match.sum(-1) == 1).all() and (match.sum(-2) == 1).all()
+        perm = match.float().argmax(-1)
+        assert (perm == perm[0, 0]).all() and sorted(perm[0, 0].tolist()) == list(range(kb // 8))
+        for cfg in cfgs:
+            want = L.gemv_dot(nat, pk, norms, kcb, g, torch.float32, config=cfg, mma_rows=rows)
+            got = L.gemv_dot(ordered, pk, norms, kcb, g, torch.float32, config=cfg, mma_rows=rows, x_order=True)
+            assert torch.equal(got, want), (m, cfg, _rel(got, want))
+    # the whole op: ordered only from X_ORDER_MIN weight values, the output unchanged
+    x = torch.randn(2, 5, k, generator=gen).to(torch.bfloat16)
+    levels = []
+    monkeypatch.setattr(L, "rotate", lambda *a, _f=L.rotate, **kw: levels.append(kw.get("mma_levels", 0)) or _f(*a, **kw))
+    natural = L.linear(x, pk, norms, kcb, s1, s2, g, k)
+    assert levels == [0] and n * ng * g < L.X_ORDER_MIN
+    monkeypatch.setattr(L, "X_ORDER_MIN", n * ng * g)
+    assert torch.equal(L.linear(x, pk, norms, kcb, s1, s2, g, k), natural) and levels == [0, nl]
+
+
+def test_mma_activation_order_refused(L):
+    """No activation order where the tensor-core GEMV's blocks are not whole groups or within one (3-bit G = 64:
+    blocks of two groups) or where it does not serve the codebook (ternary): both halves say so."""
+    x = torch.randn(2, 128)
+    for nl, g in ((8, 64), (3, 128)):
+        assert not L.mma_order(nl, g)
+        s1, s2 = fmt.signs(g)
+        with pytest.raises(ValueError, match=f"no tensor-core activation order for {nl} levels at G = {g}"):
+            L.rotate(x, s1, s2, g, torch.float32, mma_levels=nl)
+    packed, norms, cb, s1, s2 = _weight(16, 128, 3, 64, seed=1)
+    with pytest.raises(ValueError, match="no tensor-core activation order for 8 levels at G = 64"):
+        L.gemv_dot(L.rotate(x, s1, s2, 64, torch.float32), packed, norms, cb, 64, torch.float32, x_order=True)
+
+
 def test_lanes_first_by_triton_version(L, monkeypatch):
     """The tensor-core GEMV's tile arrangement follows the Triton release: lanes-first axes before 3.7 (whose
     coalescing orders the remaining axes ascending), the original order from 3.7 on; read once and cached."""
