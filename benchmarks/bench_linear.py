@@ -571,6 +571,52 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def ab_x_order(case: Case, label: str, m: int) -> dict:
+    """The whole op with the tensor-core GEMV's activation order (`kernels.linear.X_ORDER`) on and off, in turn,
+    each timed twice as CUDA-graph replays (the faster kept), against bf16 in the same run; the outputs of the
+    two orders must be equal bit for bit."""
+    x = torch.randn(m, case.k, device=DEV, dtype=torch.bfloat16)
+    qbufs, bbufs = case.buffers(m)
+    t_bf16, g_b = time_calls([(lambda w=w: F.linear(x, w)) for w in bbufs], True)
+    del g_b
+    times = {False: [], True: []}
+    outs = {}
+    saved = L.X_ORDER
+    try:
+        for order in (False, True, False, True):
+            L.X_ORDER = order
+            outs[order] = L.linear(x, qbufs[0][0], qbufs[0][1], case.cb_ours, case.s1, case.s2, case.g, case.k)
+            t, g = time_calls([(lambda p=p, nr=nr: L.linear(x, p, nr, case.cb_ours, case.s1, case.s2, case.g, case.k))
+                               for p, nr in qbufs], True)
+            del g
+            times[order].append(t)
+    finally:
+        L.X_ORDER = saved
+    if not torch.equal(outs[False], outs[True]):
+        raise SystemExit(f"activation order changed the output: {label} bits={case.bits} M={m}")
+    err = rel_err(outs[True], case.reference(x))
+    if not err < 1e-2:
+        raise SystemExit(f"WRONG RESULT: {label} bits={case.bits} M={m} rel_err={err}")
+    used = case.n * case.norms.shape[1] * case.g >= L.X_ORDER_MIN and L.mma_order(case.nl, case.g)
+    tn, to = min(times[False]), min(times[True])
+    del qbufs, bbufs
+    torch.cuda.empty_cache()
+    return dict(shape=label, bits=str(case.bits), M=m, us_bf16=t_bf16, us_natural=tn, us_ordered=to,
+                ratio_natural=t_bf16 / tn, ratio_ordered=t_bf16 / to, speedup=tn / to, default_ordered=used)
+
+
+def ab_markdown(rows: list, env: dict, command: str) -> str:
+    out = [f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
+           f"Python {env['python']}", f"- date: {env['date']}", f"- command: `{command}` (from benchmarks/)", "",
+           "| shape (in x out) | bits | M | bf16 us | natural us | ordered us | ratio natural | ratio ordered | "
+           "ordered speedup | ordered by default |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['us_bf16']:.1f} | {r['us_natural']:.1f} | "
+                   f"{r['us_ordered']:.1f} | {r['ratio_natural']:.2f} | {r['ratio_ordered']:.2f} | "
+                   f"{r['speedup']:.2f} | {'yes' if r['default_ordered'] else 'no'} |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time kernel configurations instead of the table")
@@ -584,14 +630,31 @@ def main() -> int:
     ap.add_argument("--bits", help="with --sweep-pairs / --sweep-whole: the bit widths (default 3,2,4,1.58 / 3,4)")
     ap.add_argument("--ms", default="1,16,2048")
     ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
+    ap.add_argument("--ab-x-order", action="store_true",
+                    help="time the tensor-core GEMV's activation order on and off (--ms, default 8,16,32,64; --bits)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    run_peer = not (args.no_peer or args.sweep or args.sweep_pairs or args.sweep_whole)
+    run_peer = not (args.no_peer or args.sweep or args.sweep_pairs or args.sweep_whole or args.ab_x_order)
     env = environment(run_peer)
     print(json.dumps(env), flush=True)
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
-    if args.sweep_whole:
+    if args.ab_x_order:
+        ms = [int(v) for v in (args.ms if args.ms != "1,16,2048" else "8,16,32,64").split(",")]
+        for bits in [int(b) for b in (args.bits or "3,4,2").split(",")]:
+            for label, k, n in shapes:
+                case = Case(k, n, bits)
+                for m in ms:
+                    rows.append(ab_x_order(case, label, m))
+                    print(json.dumps(rows[-1]), flush=True)
+                del case
+                torch.cuda.empty_cache()
+        md = ab_markdown(rows, env, "python " + " ".join(sys.argv))
+        print(md)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(md)
+    elif args.sweep_whole:
         args.sweep = True
         for bits in [fmt.TERNARY if b == "1.58" else int(b) for b in (args.bits or "3,4").split(",")]:
             for label, k, n in shapes + (FUSED_SHAPES if args.fused else []):
