@@ -92,9 +92,10 @@ except ImportError:  # pragma: no cover - older Triton
 # Largest M served by the tensor-core GEMV; above it: dequantize + cuBLAS.
 DOT_MAX_M = 16
 # Whether the tensor-core GEMV reads activations that the rotation wrote in its order (`_mma_column`, `x_order`),
-# for weights of at least X_ORDER_MIN values (rows x padded inputs); below that the natural order measured as fast
-# or faster (H200, Triton 3.6, M = 8-64: 2048x1024 and 512x2048 up to 0.7 us slower ordered, 2048x8192 and up
-# 0-18 % faster). Keyed on the weight shape, never on M.
+# for weights of at least X_ORDER_MIN values (rows x padded inputs). H200, Triton 3.6, whole op, same run
+# (`bench_linear.py --ab-x-order`): the 8B shapes 1.03-1.24x faster ordered at M = 16, 0.94-1.10x at M = 8-64 on
+# the larger shapes otherwise; on 2048x1024 and 512x2048 (2M and 1M values) ordered ran up to 1.2 us slower at
+# M = 8-64, so weights that small keep the natural order. Keyed on the weight shape, never on M.
 X_ORDER = True
 X_ORDER_MIN = 1 << 22
 # Largest M served by the FMA GEMV for 16-bit activations (float32 always uses it up to DOT_MAX_M).
@@ -2034,7 +2035,8 @@ def _mma_serves(n_levels: int, g: int) -> bool:
 
 def mma_order(n_levels: int, g: int) -> bool:
     """Whether `rotate(..., mma_levels=n_levels)` can put activations in `_gemv_mma_kernel`'s order: the kernel
-    serves the codebook and group size, and its blocks of inputs are whole groups or within one."""
+    serves the codebook and group size, and each of its blocks of inputs lies within one group (G a multiple of
+    the block; the rotation writes one group at a time)."""
     return _mma_serves(n_levels, g) and g % _mma_block(n_levels, g) == 0
 
 

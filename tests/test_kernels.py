@@ -404,8 +404,8 @@ def test_mma_activation_order(L, bits, g, monkeypatch):
 
 
 def test_mma_activation_order_refused(L):
-    """No activation order where the tensor-core GEMV's blocks are not whole groups or within one (3-bit G = 64:
-    blocks of two groups) or where it does not serve the codebook (ternary): both halves say so."""
+    """No activation order where the tensor-core GEMV's blocks span several groups (3-bit G = 64: blocks of two
+    groups) or where it does not serve the codebook (ternary): both halves say so."""
     x = torch.randn(2, 128)
     for nl, g in ((8, 64), (3, 128)):
         assert not L.mma_order(nl, g)
