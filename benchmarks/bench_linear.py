@@ -597,7 +597,7 @@ def ab_x_order(case: Case, label: str, m: int) -> dict:
     err = rel_err(outs[True], case.reference(x))
     if not err < 1e-2:
         raise SystemExit(f"WRONG RESULT: {label} bits={case.bits} M={m} rel_err={err}")
-    used = case.n * case.norms.shape[1] * case.g >= L.X_ORDER_MIN and L.mma_order(case.nl, case.g)
+    used = L.uses_x_order(case.n, case.norms.shape[1], case.nl, case.g)
     tn, to = min(times[False]), min(times[True])
     del qbufs, bbufs
     torch.cuda.empty_cache()
@@ -628,7 +628,7 @@ def main() -> int:
                     help="time pair GEMV configurations on the whole op (M = 1, 3- and 4-bit unless --bits)")
     ap.add_argument("--fused", action="store_true", help="with --sweep-pairs / --sweep-whole: the fused projections' shapes too")
     ap.add_argument("--bits", help="with --sweep-pairs / --sweep-whole: the bit widths (default 3,2,4,1.58 / 3,4)")
-    ap.add_argument("--ms", default="1,16,2048")
+    ap.add_argument("--ms", help="comma-separated M (default 1,16,2048; with --ab-x-order 8,16,32,64)")
     ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
     ap.add_argument("--ab-x-order", action="store_true",
                     help="time the tensor-core GEMV's activation order on and off (--ms, default 8,16,32,64; --bits)")
@@ -640,7 +640,7 @@ def main() -> int:
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
     if args.ab_x_order:
-        ms = [int(v) for v in (args.ms if args.ms != "1,16,2048" else "8,16,32,64").split(",")]
+        ms = [int(v) for v in (args.ms or "8,16,32,64").split(",")]
         for bits in [int(b) for b in (args.bits or "3,4,2").split(",")]:
             for label, k, n in shapes:
                 case = Case(k, n, bits)
@@ -687,7 +687,7 @@ def main() -> int:
             del case
             torch.cuda.empty_cache()
     else:
-        ms = [int(v) for v in args.ms.split(",")]
+        ms = [int(v) for v in (args.ms or "1,16,2048").split(",")]
         for label, k, n in shapes:
             case = Case(k, n, 3)
             for m in ms:

@@ -510,6 +510,11 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     pairs = unit > 0
+    mkb = _mma_block(mma_levels, g) if mma_levels else 0
+    if mkb and not mma_order(mma_levels, g):
+        raise ValueError(f"no tensor-core activation order for {mma_levels} levels at G = {g}")
+    if mkb and pairs:
+        raise ValueError("rotate: `unit` (the pair layout) and `mma_levels` (the tensor-core order) exclude each other")
     out = torch.empty(m, ng * g, dtype=torch.float16 if pairs else out_dtype, device=x2.device)
     xs = torch.empty(m, ng, dtype=torch.float32, device=x2.device) if pairs else out
     if m == 0:
@@ -520,9 +525,6 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     grid = (cdiv(m, bm), ng, g // bc)
     hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
     pdl = _pdl(x2.device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
-    mkb = _mma_block(mma_levels, g) if mma_levels else 0
-    if mkb and not mma_order(mma_levels, g):
-        raise ValueError(f"no tensor-core activation order for {mma_levels} levels at G = {g}")
     launch(_rotate_kernel, grid, x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
            1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
            NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
@@ -2040,6 +2042,12 @@ def mma_order(n_levels: int, g: int) -> bool:
     return _mma_serves(n_levels, g) and g % _mma_block(n_levels, g) == 0
 
 
+def uses_x_order(n: int, ng: int, n_levels: int, g: int) -> bool:
+    """Whether `linear` runs the tensor-core GEMV of an `(n, ng groups of g)` weight on activations in its own order
+    (`X_ORDER`, `X_ORDER_MIN`, `mma_order`); from the weight shape only."""
+    return X_ORDER and n * ng * g >= X_ORDER_MIN and mma_order(n_levels, g)
+
+
 def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     """Launch configuration of the tensor-core GEMV, from the weight shape only (never from M).
 
@@ -2487,7 +2495,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
         y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)
     elif m <= DOT_MAX_M or mid_m(m, codebook.numel(), group_size, dt):
         # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
-        order = X_ORDER and norms.numel() * group_size >= X_ORDER_MIN and mma_order(codebook.numel(), group_size)
+        order = uses_x_order(n, ng, codebook.numel(), group_size)
         x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt,
                        mma_levels=codebook.numel() if order else 0)
         y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt, x_order=order)

@@ -405,13 +405,16 @@ def test_mma_activation_order(L, bits, g, monkeypatch):
 
 def test_mma_activation_order_refused(L):
     """No activation order where the tensor-core GEMV's blocks span several groups (3-bit G = 64: blocks of two
-    groups) or where it does not serve the codebook (ternary): both halves say so."""
+    groups) or where it does not serve the codebook (ternary): both halves say so; the rotation writes one layout at a time."""
     x = torch.randn(2, 128)
     for nl, g in ((8, 64), (3, 128)):
         assert not L.mma_order(nl, g)
         s1, s2 = fmt.signs(g)
         with pytest.raises(ValueError, match=f"no tensor-core activation order for {nl} levels at G = {g}"):
             L.rotate(x, s1, s2, g, torch.float32, mma_levels=nl)
+    s1, s2 = fmt.signs(128)
+    with pytest.raises(ValueError, match="exclude each other"):
+        L.rotate(x, s1, s2, 128, torch.float32, unit=L.lut_unit(8), mma_levels=8)
     packed, norms, cb, s1, s2 = _weight(16, 128, 3, 64, seed=1)
     with pytest.raises(ValueError, match="no tensor-core activation order for 8 levels at G = 64"):
         L.gemv_dot(L.rotate(x, s1, s2, 64, torch.float32), packed, norms, cb, 64, torch.float32, x_order=True)
