@@ -13,8 +13,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def rel(a, b):
-    """Relative error of `a` against `b`, in float32."""
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    """Relative error of `a` against `b`, in float32 on the CPU (either may be on the GPU)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def test_quantize_on_gpu_matches_cpu(tiny_llama_dir, tmp_path):
