@@ -6,6 +6,8 @@ and against the Triton kernels of turboquant-plus-vllm (package `turboquant_vllm
     python benchmarks/bench_linear.py --no-peer        # without the turboquant-plus-vllm columns
     python benchmarks/bench_linear.py --sweep          # kernel configurations per shape (for tuning)
     python benchmarks/bench_linear.py --sweep-whole    # pair GEMV configurations timed on the whole op (M = 1)
+    python benchmarks/bench_linear.py --ab-x-order     # the tensor-core GEMV's activation order on and off
+    python benchmarks/bench_linear.py --ab-wide        # its wide blocks (3-bit G = 128) on and off
 
 Method (see docs/performance.md): both sides run in the same process on the
 same shapes; random normal weights, quantized with `codec.quantize_weight`;
@@ -442,7 +444,7 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
                                  lambda p, nr, cfg=cfg: L.gemv_fma(x_rot, p, nr, case.cb, g, torch.bfloat16, config=cfg)))
         elif m <= 16:
             x_rot = L.rotate(x, case.s1, case.s2, g, torch.bfloat16)
-            d0 = L._with_mask(L._dot_config(n, ng, nl, g), nl)
+            d0 = L._with_mask(L._dot_config(n, ng, nl, g, L.mma_block(nl, g, n, ng, m)), nl)
             for cfg in [d0] + [c for c in DOT_SWEEP if c != d0]:
                 variants.append((f"dot gemv only {cfg[:3]} {cfg[3]:#x}" + (" *" if cfg == d0 else ""),
                                  lambda p, nr, cfg=cfg: L.gemv_dot(x_rot, p, nr, case.cb, g, torch.bfloat16, config=cfg)))
@@ -605,6 +607,55 @@ def ab_x_order(case: Case, label: str, m: int) -> dict:
                 ratio_natural=t_bf16 / tn, ratio_ordered=t_bf16 / to, speedup=tn / to, default_ordered=used)
 
 
+def ab_wide(case: Case, label: str, m: int) -> dict:
+    """The whole op with the tensor-core GEMV's wide blocks (`kernels.linear.WIDE`: two groups a block for 3-bit
+    G = 128) on and off, in turn, each timed twice as CUDA-graph replays (the faster kept), against bf16 in the
+    same run; both outputs checked against the float32 reference (the wide blocks round each value times its
+    norm to 16 bits, so the two differ)."""
+    x = torch.randn(m, case.k, device=DEV, dtype=torch.bfloat16)
+    qbufs, bbufs = case.buffers(m)
+    t_bf16, g_b = time_calls([(lambda w=w: F.linear(x, w)) for w in bbufs], True)
+    del g_b
+    times = {False: [], True: []}
+    errs = {}
+    ref = case.reference(x)
+    saved = L.WIDE
+    try:
+        for wide in (False, True, False, True):
+            L.WIDE = wide
+            y = L.linear(x, qbufs[0][0], qbufs[0][1], case.cb_ours, case.s1, case.s2, case.g, case.k)
+            errs[wide] = rel_err(y, ref)
+            if not errs[wide] < 1e-2:
+                raise SystemExit(f"WRONG RESULT: {label} bits={case.bits} M={m} wide={wide} rel_err={errs[wide]}")
+            t, g = time_calls([(lambda p=p, nr=nr: L.linear(x, p, nr, case.cb_ours, case.s1, case.s2, case.g, case.k))
+                               for p, nr in qbufs], True)
+            del g
+            times[wide].append(t)
+    finally:
+        L.WIDE = saved
+    kb = L.mma_block(case.nl, case.g, case.n, case.norms.shape[1], m)
+    tn, tw = min(times[False]), min(times[True])
+    del qbufs, bbufs
+    torch.cuda.empty_cache()
+    return dict(shape=label, bits=str(case.bits), M=m, us_bf16=t_bf16, us_natural=tn, us_ordered=tw,
+                ratio_natural=t_bf16 / tn, ratio_ordered=t_bf16 / tw, speedup=tn / tw,
+                default_ordered=kb == L.wide_block(case.nl, case.g), err_one=errs[False], err_wide=errs[True])
+
+
+def ab_wide_markdown(rows: list, env: dict, command: str) -> str:
+    out = [f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
+           f"Python {env['python']}", f"- date: {env['date']}", f"- command: `{command}` (from benchmarks/)", "",
+           "| shape (in x out) | bits | M | bf16 us | one-group blocks us | wide blocks us | ratio one-group | "
+           "ratio wide | wide speedup | wide by default | rel. error one-group | rel. error wide |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['us_bf16']:.1f} | {r['us_natural']:.1f} | "
+                   f"{r['us_ordered']:.1f} | {r['ratio_natural']:.2f} | {r['ratio_ordered']:.2f} | "
+                   f"{r['speedup']:.2f} | {'yes' if r['default_ordered'] else 'no'} | {r['err_one']:.1e} | "
+                   f"{r['err_wide']:.1e} |")
+    return "\n".join(out) + "\n"
+
+
 def ab_markdown(rows: list, env: dict, command: str) -> str:
     out = [f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
            f"Python {env['python']}", f"- date: {env['date']}", f"- command: `{command}` (from benchmarks/)", "",
@@ -628,18 +679,35 @@ def main() -> int:
                     help="time pair GEMV configurations on the whole op (M = 1, 3- and 4-bit unless --bits)")
     ap.add_argument("--fused", action="store_true", help="with --sweep-pairs / --sweep-whole: the fused projections' shapes too")
     ap.add_argument("--bits", help="with --sweep-pairs / --sweep-whole: the bit widths (default 3,2,4,1.58 / 3,4)")
-    ap.add_argument("--ms", help="comma-separated M (default 1,16,2048; with --ab-x-order 8,16,32,64)")
+    ap.add_argument("--ms", help="comma-separated M (default 1,16,2048; with --ab-x-order / --ab-wide 8,16,32,64)")
     ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
     ap.add_argument("--ab-x-order", action="store_true",
                     help="time the tensor-core GEMV's activation order on and off (--ms, default 8,16,32,64; --bits)")
+    ap.add_argument("--ab-wide", action="store_true",
+                    help="time the tensor-core GEMV's wide blocks (3-bit G = 128) on and off (--ms, default 8,16,32,64)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    run_peer = not (args.no_peer or args.sweep or args.sweep_pairs or args.sweep_whole or args.ab_x_order)
+    run_peer = not (args.no_peer or args.sweep or args.sweep_pairs or args.sweep_whole or args.ab_x_order
+                    or args.ab_wide)
     env = environment(run_peer)
     print(json.dumps(env), flush=True)
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
-    if args.ab_x_order:
+    if args.ab_wide:
+        ms = [int(v) for v in (args.ms or "8,16,32,64").split(",")]
+        for label, k, n in shapes:
+            case = Case(k, n, 3)
+            for m in ms:
+                rows.append(ab_wide(case, label, m))
+                print(json.dumps(rows[-1]), flush=True)
+            del case
+            torch.cuda.empty_cache()
+        md = ab_wide_markdown(rows, env, "python " + " ".join(sys.argv))
+        print(md)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(md)
+    elif args.ab_x_order:
         ms = [int(v) for v in (args.ms or "8,16,32,64").split(",")]
         for bits in [int(b) for b in (args.bits or "3,4,2").split(",")]:
             for label, k, n in shapes:

@@ -37,7 +37,9 @@ codes, read with `layout.runtime_codebook`):
      least X_ORDER_MIN values the rotation writes the activations in the
      order the tensor-core GEMV's lanes read them (`_mma_column`), so each
      row's four lanes load 64 consecutive bytes instead of 16-byte pieces
-     spread over a block.
+     spread over a block; 3-bit weights at G = 128 of that size take blocks
+     of two groups (`mma_block`, the norms folded into the values), so a
+     row's lanes load whole 32-byte sectors of its words.
    - `gemv_dot` again for 16-bit activations and 2-, 3- and 4-bit weights
      up to MID_MAX_M rows (`_mid_config`): 32 activation rows a program, so
      each decoded weight tile feeds twice as many rows before the next is
@@ -497,22 +499,23 @@ def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
-           out_dtype: torch.dtype, unit: int = 0, mma_levels: int = 0):
+           out_dtype: torch.dtype, unit: int = 0, mma_levels: int = 0, mma_block: int = 0):
     """`(M, in)` activations -> `(M, n_groups*G)` rotated, zero-padded, in `out_dtype`.
 
     With `unit` > 0 (`lut_unit(levels)`): the pair GEMV's activations `(x2, scales)` for weights of that
     unit instead (see `gemv_pairs`; `out_dtype` is ignored). With `mma_levels` (a codebook size for which
     `mma_order` holds): the columns in the tensor-core GEMV's order (`_mma_column`; `gemv_dot(...,
-    x_order=True)` reads them)."""
+    x_order=True)` reads them), for its blocks of `mma_block` inputs (0: the default block; or the wide block,
+    `wide_block`, for a row of whole pairs of groups)."""
     m, k = x2.shape
     g = group_size
     ng = -(-k // g)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     pairs = unit > 0
-    mkb = _mma_block(mma_levels, g) if mma_levels else 0
-    if mkb and not mma_order(mma_levels, g):
-        raise ValueError(f"no tensor-core activation order for {mma_levels} levels at G = {g}")
+    if mma_block and not mma_levels:
+        raise ValueError("rotate: `mma_block` without `mma_levels`")
+    mkb = _check_block(mma_levels, g, ng, mma_block, True) if mma_levels else 0
     if mkb and pairs:
         raise ValueError("rotate: `unit` (the pair layout) and `mma_levels` (the tensor-core order) exclude each other")
     out = torch.empty(m, ng * g, dtype=torch.float16 if pairs else out_dtype, device=x2.device)
@@ -2036,10 +2039,46 @@ def _mma_serves(n_levels: int, g: int) -> bool:
 
 
 def mma_order(n_levels: int, g: int) -> bool:
-    """Whether `rotate(..., mma_levels=n_levels)` can put activations in `_gemv_mma_kernel`'s order: the kernel
-    serves the codebook and group size, and each of its blocks of inputs lies within one group (G a multiple of
-    the block; the rotation writes one group at a time)."""
+    """Whether `rotate(..., mma_levels=n_levels)` can put activations in `_gemv_mma_kernel`'s order for its
+    default blocks (`_mma_block`): the kernel serves the codebook and group size, and each block lies within one
+    group (G a multiple of the block). Wide blocks (`wide_block`) have an order of their own."""
     return _mma_serves(n_levels, g) and g % _mma_block(n_levels, g) == 0
+
+
+# Wide blocks: 3-bit weights at G = 128 take blocks of two groups (KB = 256 inputs, each lane two consecutive units,
+# the group norms folded into the 16-bit values: `FOLD`) instead of one. A lane's words are then 8 consecutive
+# bytes of each of the unit's three planes, and the four lanes of a weight row read a whole 32-byte sector per
+# load, where blocks of one group use half of each sector per load instruction (Nsight Compute, 3-bit
+# 4096x14336, M = 16) and leave the other half to the next block's load. Measured on an H200 (Triton 3.6, `linear`
+# as CUDA-graph replays, both in one process, us, one-group -> wide blocks, M = 8 / 16 / 32 / 64): 4096x14336
+# 19.5 -> 16.9 / 22.7 -> 21.9 / 34.2 -> 30.2 / 61.8 -> 53.8; 14336x4096 22.8 -> 22.3 / 28.6 -> 26.4 / 47.7 -> 34.9 /
+# 61.1 -> 61.8; 4096x4096 9.3 -> 7.7 / 11.0 -> 9.5 / 18.0 -> 16.5 / 22.6 -> 27.3; 2048x8192 7.9 -> 7.7 / 9.5 -> 9.1 /
+# 17.9 -> 14.4 / 23.2 -> 23.0; 8192x28672 M = 32 / 64 103.6 -> 90.0 / 195.7 -> 168.0, at M <= 16 slower (62.4 ->
+# 68.6 at M = 16 in an earlier run; benchmarks/RESULTS.md). Hence: weights of at least WIDE_MIN values with an
+# even number of groups, below 16384 rows at M <= DOT_MAX_M, any rows up to 2 DOT_MAX_M, and from 8192 rows above
+# that. The cost is precision: each value times its norm is rounded to 16 bits (relative error of the product
+# 3.3e-3 against 2.6e-3 with one group a block, bfloat16, random data), about a fiftieth of the 3-bit
+# quantization error itself.
+WIDE = True
+WIDE_MIN = 1 << 22
+
+
+def wide_block(n_levels: int, g: int) -> int:
+    """The wide block (inputs) of this codebook and group size, or 0 where there is none (see `WIDE`)."""
+    return 2 * g if n_levels == 8 and g == 128 else 0
+
+
+def mma_block(n_levels: int, g: int, n: int, ng: int, m: int) -> int:
+    """Inputs per block of `_gemv_mma_kernel` for an `(n, ng groups of g)` weight and M activation rows: the wide
+    block where `WIDE` says so (from the weight shape and M's bucket: up to DOT_MAX_M, to 2 DOT_MAX_M, above), else
+    `_mma_block`; 0 for codebooks and group sizes that kernel does not serve (ternary runs `_gemv_dot_kernel`)."""
+    if not _mma_serves(n_levels, g):
+        return 0
+    wb = wide_block(n_levels, g)
+    rows_ok = n < 16384 if m <= DOT_MAX_M else (m <= 2 * DOT_MAX_M or n >= 8192)
+    if WIDE and wb and ng % (wb // g) == 0 and n * ng * g >= WIDE_MIN and rows_ok:
+        return wb
+    return _mma_block(n_levels, g)
 
 
 def uses_x_order(n: int, ng: int, n_levels: int, g: int) -> bool:
@@ -2048,7 +2087,7 @@ def uses_x_order(n: int, ng: int, n_levels: int, g: int) -> bool:
     return X_ORDER and n * ng * g >= X_ORDER_MIN and mma_order(n_levels, g)
 
 
-def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
+def _dot_config(n: int, ng: int, n_levels: int, g: int, kb: int = 0) -> tuple:
     """Launch configuration of the tensor-core GEMV, from the weight shape only (never from M).
 
     2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch, maxnreg, blocks). Each program
@@ -2067,18 +2106,24 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     longest rows. Swept again with the activation order (`X_ORDER`; 3-bit, M = 16, 36 configurations, BN 16-64,
     1-4 warps of 1-4 blocks, prefetch 1 and 2): these stayed fastest or within 9 % at the benchmark shapes. One
     stage: the loop is pipelined by hand, and Triton's pipelining would stage the operands
-    through shared memory.
+    through shared memory. `kb`: the block (`mma_block`; 0: `_mma_block`); with wide blocks a warp takes half as
+    many blocks a step where the rule above gives 2 warps or 1 (the same inputs a step: 4096x14336, M = 16, 23.2
+    -> 21.1 us), the whole rule counted in default blocks.
 
     Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
     every codebook lookup through shared memory."""
-    kb = _mma_block(n_levels, g)
+    base = _mma_block(n_levels, g)
+    kb = kb or base
     if _mma_serves(n_levels, g):
         nblk = -(-ng * g // kb)
         if n_levels == 16:  # its lookups hold more registers: fewer blocks per warp, 4 warps
             bn, warps, blocks = (16, 4, 4) if n < 4096 else (32, 4, 2) if n < 8192 else (32, 4, 1)
         else:
             bn = 16 if n < 8192 else 32
-            warps, blocks = (4, 4) if n < 8192 or nblk <= 16 else (2, 4) if n < 16384 else (1, 4)
+            short = nblk * kb <= 16 * base  # (rows of at most 16 default blocks)
+            warps, blocks = (4, 4) if n < 8192 or short else (2, 4) if n < 16384 else (1, 4)
+            if kb > base and not (n < 8192 or short):
+                blocks //= 2  # wide blocks: the same inputs a step
         while warps * blocks > nblk and blocks > 1:
             blocks //= 2
         while warps * blocks > nblk and warps > 1:
@@ -2090,7 +2135,7 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int) -> tuple:
     return max(16, bn), 4, 1
 
 
-def _mid_config(n: int, ng: int, n_levels: int, g: int, m: int) -> tuple[tuple, int]:
+def _mid_config(n: int, ng: int, n_levels: int, g: int, m: int, kb: int = 0) -> tuple[tuple, int]:
     """(configuration, activation rows a program) of `_gemv_mma_kernel` for DOT_MAX_M < M <= MID_MAX_M, from the
     weight shape and that bucket of M only: 32 rows a program (16 up to 32 rows for fewer than 4096 outputs),
     4 warps of one block and 64 weight rows a program from 8192 outputs, 32 from 4096; fewer outputs keep the
@@ -2100,12 +2145,18 @@ def _mid_config(n: int, ng: int, n_levels: int, g: int, m: int) -> tuple[tuple, 
     4-bit 38.6 / 70.0, runtime ternary 28.3 / 52.5); 14336x4096 48.3 / 62.0; 8192x28672 108.3 / 209.7 (4-bit
     126.3 / 238.8; that path 343.6 / 351.9); 2048x8192 15.1 / 20.7; 2048->1024 6.3 / 7.4; 512->2048 5.0 / 6.4;
     at M = 128 the GEMV no longer wins (8192x28672 365 against 346)."""
+    base = _mma_block(n_levels, g)
+    kb = kb or base
+    if kb > base:  # wide blocks (`mma_block`): 2 blocks a warp, 4 warps of 16 rows below 8192 outputs, else 32 rows
+        # over 2 warps (4 for rows of at most 2048 inputs)
+        bn, warps = (16, 4) if n < 8192 else (32, 4) if ng * g <= 2048 else (32, 2)
+        return (bn, warps, 1, 1, 0, 2), 32
     if n >= 4096:
-        warps, nblk = 4, -(-ng * g // _mma_block(n_levels, g))
+        warps, nblk = 4, -(-ng * g // base)
         while warps > nblk and warps > 1:
             warps //= 2
         return (64 if n >= 8192 else 32, warps, 1, 1, 0, 1), 32
-    return _dot_config(n, ng, n_levels, g), 16 if m <= 32 else 32
+    return _dot_config(n, ng, n_levels, g, kb), 16 if m <= 32 else 32
 
 
 def mid_m(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> bool:
@@ -2113,9 +2164,27 @@ def mid_m(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> bool:
     return DOT_MAX_M < m <= MID_MAX_M and dtype in (torch.bfloat16, torch.float16) and _mma_serves(n_levels, group_size)
 
 
+def _check_block(n_levels: int, g: int, ng: int, block: int, ordered: bool) -> int:
+    """`block` (0: the default block) if `_gemv_mma_kernel` can run blocks of that many inputs on this codebook,
+    group size and row of `ng` groups, with the activations in its order when `ordered`; else ValueError naming
+    why."""
+    base = _mma_block(n_levels, g)
+    kb = block or base
+    if kb == base:
+        if ordered and not mma_order(n_levels, g):
+            raise ValueError(f"no tensor-core activation order for {n_levels} levels at G = {g}")
+        return kb
+    if kb != wide_block(n_levels, g) or not _mma_serves(n_levels, g):
+        raise ValueError(f"no tensor-core blocks of {kb} inputs for {n_levels} levels at G = {g} (blocks of {base}"
+                         + (f" or {wide_block(n_levels, g)})" if wide_block(n_levels, g) else ")"))
+    if ng % (kb // g):
+        raise ValueError(f"blocks of {kb} inputs need whole pairs of groups: the row has {ng} groups of {g}")
+    return kb
+
+
 def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
              group_size: int, out_dtype: torch.dtype, config=None, block_m: int = 16, mma_rows: int = 0,
-             x_order: bool = False) -> torch.Tensor:
+             x_order: bool = False, block: int = 0) -> torch.Tensor:
     """`(M, n_groups*G)` rotated activations (bf16/fp16; float32 in the interpreter) times the packed
     weight on the tensor cores -> `(M, rows)` in out_dtype.
 
@@ -2126,22 +2195,23 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     blocks]]]) as `_dot_config` returns it (BN = 16, 32, 64 or 128; maxnreg 0: no cap; blocks: the blocks of KB
     inputs each warp takes per step, 1 by default, so S = num_warps * blocks); a fourth field that is not a
     bool (the select kernel's lookup mask) is ignored. `x_order`: `x_rot` comes from `rotate(...,
-    mma_levels=...)`, in the kernel's activation order (`mma_order` must hold). Ternary: `_gemv_dot_kernel`,
-    config (BN, num_warps, num_stages[, LUT mask]), `block_m` activation rows per program."""
+    mma_levels=...)`, in the kernel's activation order for blocks of `block` inputs. `block`: the inputs per
+    block, `_mma_block` or the wide block (`wide_block`); 0: as `mma_block` chooses for this weight and M, or with
+    `x_order` the default block (what `rotate(..., mma_levels=...)` orders for by default). Ternary:
+    `_gemv_dot_kernel`, config (BN, num_warps, num_stages[, LUT mask]), `block_m` activation rows per program."""
     m = x_rot.shape[0]
     n, ng = norms.shape
     n_levels = codebook.numel()
     out = torch.empty(m, n, dtype=out_dtype, device=x_rot.device)
     if m == 0 or n == 0:
         return out
-    kb = _mma_block(n_levels, group_size)
-    if x_order and not mma_order(n_levels, group_size):
-        raise ValueError(f"no tensor-core activation order for {n_levels} levels at G = {group_size}")
     if _mma_serves(n_levels, group_size):
-        default = _dot_config(n, ng, n_levels, group_size)
+        kb = _check_block(n_levels, group_size, ng, block, x_order) if block or x_order else \
+            mma_block(n_levels, group_size, n, ng, m)
+        default = _dot_config(n, ng, n_levels, group_size, kb)
         bm = 8 if m <= 8 else 16
         if m > DOT_MAX_M:
-            default, bm = _mid_config(n, ng, n_levels, group_size, m)
+            default, bm = _mid_config(n, ng, n_levels, group_size, m, kb)
         bm = mma_rows or bm
         cfg = tuple(config or default)
         bn, warps, stages = cfg[:3]
@@ -2164,6 +2234,10 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
             LANES_FIRST=_lanes_first(), XORDER=bool(x_order),
             num_warps=warps, num_stages=stages, **opts)
         return out
+    if x_order:
+        raise ValueError(f"no tensor-core activation order for {n_levels} levels at G = {group_size}")
+    if block:
+        raise ValueError(f"no tensor-core blocks of {block} inputs for {n_levels} levels at G = {group_size}")
     geo = unit_geometry(n_levels, group_size)
     bn, warps, stages, lut = _with_mask(config or _dot_config(n, ng, n_levels, group_size), n_levels)
     pk = _packed_view(packed, geo["WPU"])
@@ -2495,10 +2569,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
         y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)
     elif m <= DOT_MAX_M or mid_m(m, codebook.numel(), group_size, dt):
         # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
-        order = uses_x_order(n, ng, codebook.numel(), group_size)
+        nl = codebook.numel()
+        order = uses_x_order(n, ng, nl, group_size)
+        kb = mma_block(nl, group_size, n, ng, m)
         x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt,
-                       mma_levels=codebook.numel() if order else 0)
-        y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt, x_order=order)
+                       mma_levels=nl if order else 0, mma_block=kb if order else 0)
+        y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt, x_order=order, block=kb)
     elif sixteen and unit:
         # prefill: the weight itself into a scratch buffer (its rotation undone on the tensor cores), then cuBLAS
         # on the activations as they are: one kernel fewer than rotating them

@@ -292,6 +292,39 @@ def test_cached_launch_runs_the_kernels_triton_picks(bits, monkeypatch):
     assert {key[2][0][1] for key in rot} == {True, False}
 
 
+def test_wide_blocks_on_gpu(monkeypatch):
+    """3-bit G = 128 at real shapes: the tensor-core GEMV's wide blocks (`mma_block`: two groups a block, the
+    norms folded into bfloat16 values) stay within 5e-3 of the float32 reference and within 4e-3 of the one-group
+    blocks, for M = 3, 8, 16, 24, 40 and 64, activations aligned and not, at 4096x4096 (wide up to 32 rows) and
+    2048 -> 16384 (wide above 16 rows); where `mma_block` keeps one-group blocks the output is theirs bit for bit."""
+    from turboquant_hf import layout, ops
+    from turboquant_hf import format as fmt
+    from turboquant_hf.kernels import linear as L
+    from turboquant_hf.modules import format_constants
+
+    g, nl = 128, 8
+    gen = torch.Generator().manual_seed(41)
+    for n, k in ((4096, 4096), (16384, 2048)):
+        packed, norms = codec.quantize_weight(torch.randn(n, k, generator=gen) * 0.02, 3, g)
+        pk = layout.to_runtime(packed, nl, g, norms.shape[1]).cuda()
+        nr = norms.cuda()
+        cb, s1, s2 = format_constants(nl, g, torch.device("cuda"), True)
+        for m in (3, 8, 16, 24, 40, 64):
+            wide = n < 16384 if m <= L.DOT_MAX_M else (m <= 2 * L.DOT_MAX_M or n >= 8192)
+            want_kb = 256 if wide else 128
+            assert L.mma_block(nl, g, n, k // g, m) == want_kb, (n, m)
+            for offset in (0, 1):
+                x = torch.randn(m * k + offset, generator=gen).to(torch.bfloat16).cuda()[offset:].view(m, k)
+                y = L.linear(x, pk, nr, cb, s1, s2, g, k)
+                monkeypatch.setattr(L, "WIDE", False)
+                one = L.linear(x, pk, nr, cb, s1, s2, g, k)
+                monkeypatch.undo()
+                want = ops.turboquant_linear(x.float().cpu(), packed, norms, fmt.codebook(nl, g, "cpu"),
+                                             *fmt.signs(g, "cpu"), g, k)
+                assert rel(y, want) < 5e-3 and rel(y, one) < 4e-3, (n, m, offset, rel(y, want), rel(y, one))
+                assert torch.equal(y, one) == (want_kb == 128), (n, m)
+
+
 @pytest.mark.parametrize("bits,g", [(2, 64), (3, 128), (4, 128), (3, 256)])
 def test_activation_order_on_gpu_matches_natural(bits, g, monkeypatch):
     """At real shapes on the GPU, the tensor-core GEMV reading activations in its own order (`X_ORDER`, the

@@ -420,6 +420,64 @@ def test_mma_activation_order_refused(L):
         L.gemv_dot(L.rotate(x, s1, s2, 64, torch.float32), packed, norms, cb, 64, torch.float32, x_order=True)
 
 
+def test_mma_wide_blocks(L, monkeypatch):
+    """3-bit G = 128: blocks of two groups (`wide_block`, the norms folded into the values) give the product within
+    bfloat16 rounding of the reference, in natural and in activation order bit for bit, at 8 / 16 / 32 activation
+    rows a program; `mma_block` picks them only for weights of WIDE_MIN values with whole pairs of groups and as
+    its rows rule says, and `linear` then orders the activations for them; any other block, or a row of an odd
+    number of groups, is refused naming the cause."""
+    g = 128
+    n, k = 40, 512
+    packed, norms, cb, s1, s2 = _weight(n, k, 3, g, seed=11)
+    nl, ng = cb.numel(), norms.shape[1]
+    pk = layout.to_runtime(packed, nl, g, ng)
+    kcb = _kcb(pk, cb)
+    ref_w = codec.rotated_weight(packed, norms, cb.bfloat16().float(), g).double()
+    assert L.wide_block(nl, g) == 256 and L.wide_block(nl, 64) == 0 and L.wide_block(16, 128) == 0
+    gen = torch.Generator().manual_seed(5)
+    for m, cfg in ((5, None), (13, (16, 1, 1, 2, 0, 2)), (37, None)):
+        x = torch.randn(m, k, generator=gen)
+        nat = L.rotate(x, s1, s2, g, torch.float32)
+        ref = nat.double() @ ref_w.T
+        base = L.gemv_dot(nat, pk, norms, kcb, g, torch.float32, config=cfg, block=128)
+        wide = L.gemv_dot(nat, pk, norms, kcb, g, torch.float32, config=cfg, block=256)
+        assert _rel(base, ref) < 1e-5 and 2e-4 < _rel(wide, ref) < 4e-3, (m, _rel(base, ref), _rel(wide, ref))
+        ordered = L.rotate(x, s1, s2, g, torch.float32, mma_levels=nl, mma_block=256)
+        assert not torch.equal(ordered, nat)
+        assert torch.equal(L.gemv_dot(ordered, pk, norms, kcb, g, torch.float32, config=cfg, x_order=True, block=256),
+                           wide), m
+    # the choice: by weight size, whole pairs of groups, rows and M's bucket
+    assert L.mma_block(nl, g, n, ng, 5) == 128  # (below WIDE_MIN)
+    assert L.mma_block(nl, g, 4096, 32, 16) == 256 and L.mma_block(nl, g, 4096, 32, 17) == 256
+    assert L.mma_block(nl, g, 4096, 32, 48) == 128 and L.mma_block(nl, g, 8192, 32, 48) == 256
+    assert L.mma_block(nl, g, 16384, 64, 16) == 128 and L.mma_block(nl, g, 16384, 64, 32) == 256
+    assert L.mma_block(nl, g, 4096, 33, 16) == 128  # (an odd number of groups)
+    assert L.mma_block(16, g, 4096, 32, 16) == 128 and L.mma_block(nl, 64, 4096, 64, 16) == 128
+    assert L.mma_block(3, g, 4096, 32, 16) == 0  # (ternary: not the tensor-core GEMV's)
+    monkeypatch.setattr(L, "WIDE", False)
+    assert L.mma_block(nl, g, 4096, 32, 16) == 128
+    monkeypatch.undo()
+    # linear: wide blocks and their activation order once the weight is large enough
+    monkeypatch.setattr(L, "WIDE_MIN", n * ng * g)
+    monkeypatch.setattr(L, "X_ORDER_MIN", n * ng * g)
+    calls = []
+    monkeypatch.setattr(L, "rotate", lambda *a, _f=L.rotate, **kw: calls.append(kw.get("mma_block", 0)) or _f(*a, **kw))
+    x = torch.randn(2, 3, k, generator=gen).to(torch.bfloat16)
+    y = L.linear(x, pk, norms, kcb, s1, s2, g, k)
+    assert calls == [256]
+    xo = L.rotate(x.reshape(6, k), s1, s2, g, torch.float32, mma_levels=nl, mma_block=256)
+    want = L.gemv_dot(xo, pk, norms, kcb, g, torch.bfloat16, x_order=True, block=256)
+    assert torch.equal(y.reshape(6, n), want)
+    monkeypatch.undo()
+    for bad in (384, 64):
+        with pytest.raises(ValueError, match=f"no tensor-core blocks of {bad} inputs for 8 levels at G = 128"):
+            L.gemv_dot(nat, pk, norms, kcb, g, torch.float32, block=bad)
+    with pytest.raises(ValueError, match="whole pairs of groups: the row has 3 groups of 128"):
+        L.rotate(torch.randn(2, 384), s1, s2, g, torch.float32, mma_levels=nl, mma_block=256)
+    with pytest.raises(ValueError, match="without `mma_levels`"):
+        L.rotate(torch.randn(2, 256), s1, s2, g, torch.float32, mma_block=256)
+
+
 def test_lanes_first_by_triton_version(L, monkeypatch):
     """The tensor-core GEMV's tile arrangement follows the Triton release: lanes-first axes before 3.7 (whose
     coalescing orders the remaining axes ascending), the original order from 3.7 on; read once and cached."""
