@@ -446,6 +446,16 @@ def test_mma_wide_blocks(L, monkeypatch):
         assert not torch.equal(ordered, nat)
         assert torch.equal(L.gemv_dot(ordered, pk, norms, kcb, g, torch.float32, config=cfg, x_order=True, block=256),
                            wide), m
+    # rows not a multiple of BN and a last group past the row's end (440 inputs: 4 groups, the fourth zero-padded)
+    p2, n2, cb2, _, _ = _weight(24, 440, 3, g, seed=12)
+    pk2 = layout.to_runtime(p2, nl, g, n2.shape[1])
+    x = torch.randn(7, 440, generator=gen)
+    nat = L.rotate(x, s1, s2, g, torch.float32)
+    ref = nat.double() @ codec.rotated_weight(p2, n2, cb2.bfloat16().float(), g).double().T
+    wide = L.gemv_dot(nat, pk2, n2, _kcb(pk2, cb2), g, torch.float32, block=256)
+    assert 2e-4 < _rel(wide, ref) < 4e-3, _rel(wide, ref)
+    ordered = L.rotate(x, s1, s2, g, torch.float32, mma_levels=nl, mma_block=256)
+    assert torch.equal(L.gemv_dot(ordered, pk2, n2, _kcb(pk2, cb2), g, torch.float32, x_order=True, block=256), wide)
     # the choice: by weight size, whole pairs of groups, rows and M's bucket
     assert L.mma_block(nl, g, n, ng, 5) == 128  # (below WIDE_MIN)
     assert L.mma_block(nl, g, 4096, 32, 16) == 256 and L.mma_block(nl, g, 4096, 32, 17) == 256
