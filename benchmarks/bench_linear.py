@@ -693,31 +693,18 @@ def main() -> int:
     print(json.dumps(env), flush=True)
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
-    if args.ab_wide:
+    if args.ab_wide or args.ab_x_order:  # same-run A/B of one switch of the kernels, on and off
+        ab, ab_md, bits_default = (ab_wide, ab_wide_markdown, "3") if args.ab_wide else (ab_x_order, ab_markdown, "3,4,2")
         ms = [int(v) for v in (args.ms or "8,16,32,64").split(",")]
-        for label, k, n in shapes:
-            case = Case(k, n, 3)
-            for m in ms:
-                rows.append(ab_wide(case, label, m))
-                print(json.dumps(rows[-1]), flush=True)
-            del case
-            torch.cuda.empty_cache()
-        md = ab_wide_markdown(rows, env, "python " + " ".join(sys.argv))
-        print(md)
-        if args.md:
-            with open(args.md, "w") as f:
-                f.write(md)
-    elif args.ab_x_order:
-        ms = [int(v) for v in (args.ms or "8,16,32,64").split(",")]
-        for bits in [int(b) for b in (args.bits or "3,4,2").split(",")]:
+        for bits in [int(b) for b in ((args.bits if args.ab_x_order else None) or bits_default).split(",")]:
             for label, k, n in shapes:
                 case = Case(k, n, bits)
                 for m in ms:
-                    rows.append(ab_x_order(case, label, m))
+                    rows.append(ab(case, label, m))
                     print(json.dumps(rows[-1]), flush=True)
                 del case
                 torch.cuda.empty_cache()
-        md = ab_markdown(rows, env, "python " + " ".join(sys.argv))
+        md = ab_md(rows, env, "python " + " ".join(sys.argv))
         print(md)
         if args.md:
             with open(args.md, "w") as f:
