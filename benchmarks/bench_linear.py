@@ -573,73 +573,62 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def ab_x_order(case: Case, label: str, m: int) -> dict:
-    """The whole op with the tensor-core GEMV's activation order (`kernels.linear.X_ORDER`) on and off, in turn,
-    each timed twice as CUDA-graph replays (the faster kept), against bf16 in the same run; the outputs of the
-    two orders must be equal bit for bit."""
+def _ab_switch(case: Case, label: str, m: int, switch: str) -> dict:
+    """The whole op with the kernels' module flag `switch` (`kernels.linear.X_ORDER`, `WIDE`) off and on, in turn,
+    each timed twice as CUDA-graph replays (the faster kept), against bf16 in the same run; each output is
+    checked against the float32 reference. Returns the row's common fields and both outputs' relative errors
+    (`outs`: the last output of each setting)."""
     x = torch.randn(m, case.k, device=DEV, dtype=torch.bfloat16)
     qbufs, bbufs = case.buffers(m)
     t_bf16, g_b = time_calls([(lambda w=w: F.linear(x, w)) for w in bbufs], True)
     del g_b
     times = {False: [], True: []}
-    outs = {}
-    saved = L.X_ORDER
+    outs, errs = {}, {}
+    ref = case.reference(x)
+    saved = getattr(L, switch)
     try:
-        for order in (False, True, False, True):
-            L.X_ORDER = order
-            outs[order] = L.linear(x, qbufs[0][0], qbufs[0][1], case.cb_ours, case.s1, case.s2, case.g, case.k)
+        for on in (False, True, False, True):
+            setattr(L, switch, on)
+            outs[on] = L.linear(x, qbufs[0][0], qbufs[0][1], case.cb_ours, case.s1, case.s2, case.g, case.k)
+            errs[on] = rel_err(outs[on], ref)
+            if not errs[on] < 1e-2:
+                raise SystemExit(f"WRONG RESULT: {label} bits={case.bits} M={m} {switch}={on} rel_err={errs[on]}")
             t, g = time_calls([(lambda p=p, nr=nr: L.linear(x, p, nr, case.cb_ours, case.s1, case.s2, case.g, case.k))
                                for p, nr in qbufs], True)
             del g
-            times[order].append(t)
+            times[on].append(t)
     finally:
-        L.X_ORDER = saved
-    if not torch.equal(outs[False], outs[True]):
-        raise SystemExit(f"activation order changed the output: {label} bits={case.bits} M={m}")
-    err = rel_err(outs[True], case.reference(x))
-    if not err < 1e-2:
-        raise SystemExit(f"WRONG RESULT: {label} bits={case.bits} M={m} rel_err={err}")
-    used = L.uses_x_order(case.n, case.norms.shape[1], case.nl, case.g)
-    tn, to = min(times[False]), min(times[True])
+        setattr(L, switch, saved)
+    t_off, t_on = min(times[False]), min(times[True])
     del qbufs, bbufs
     torch.cuda.empty_cache()
-    return dict(shape=label, bits=str(case.bits), M=m, us_bf16=t_bf16, us_natural=tn, us_ordered=to,
-                ratio_natural=t_bf16 / tn, ratio_ordered=t_bf16 / to, speedup=tn / to, default_ordered=used)
+    return dict(shape=label, bits=str(case.bits), M=m, us_bf16=t_bf16, us_natural=t_off, us_ordered=t_on,
+                ratio_natural=t_bf16 / t_off, ratio_ordered=t_bf16 / t_on, speedup=t_off / t_on,
+                err_off=errs[False], err_on=errs[True], outs=outs)
+
+
+def ab_x_order(case: Case, label: str, m: int) -> dict:
+    """The tensor-core GEMV's activation order (`kernels.linear.X_ORDER`) on and off (`_ab_switch`); the outputs of
+    the two orders must be equal bit for bit."""
+    row = _ab_switch(case, label, m, "X_ORDER")
+    outs = row.pop("outs")
+    if not torch.equal(outs[False], outs[True]):
+        raise SystemExit(f"activation order changed the output: {label} bits={case.bits} M={m}")
+    row.pop("err_off"), row.pop("err_on")
+    row["default_ordered"] = L.uses_x_order(case.n, case.norms.shape[1], case.nl, case.g)
+    return row
 
 
 def ab_wide(case: Case, label: str, m: int) -> dict:
-    """The whole op with the tensor-core GEMV's wide blocks (`kernels.linear.WIDE`: two groups a block for 3-bit
-    G = 128) on and off, in turn, each timed twice as CUDA-graph replays (the faster kept), against bf16 in the
-    same run; both outputs checked against the float32 reference (the wide blocks round each value times its
+    """The tensor-core GEMV's wide blocks (`kernels.linear.WIDE`: two groups a block for 3-bit G = 128) on and off
+    (`_ab_switch`); both outputs checked against the float32 reference (the wide blocks round each value times its
     norm to 16 bits, so the two differ)."""
-    x = torch.randn(m, case.k, device=DEV, dtype=torch.bfloat16)
-    qbufs, bbufs = case.buffers(m)
-    t_bf16, g_b = time_calls([(lambda w=w: F.linear(x, w)) for w in bbufs], True)
-    del g_b
-    times = {False: [], True: []}
-    errs = {}
-    ref = case.reference(x)
-    saved = L.WIDE
-    try:
-        for wide in (False, True, False, True):
-            L.WIDE = wide
-            y = L.linear(x, qbufs[0][0], qbufs[0][1], case.cb_ours, case.s1, case.s2, case.g, case.k)
-            errs[wide] = rel_err(y, ref)
-            if not errs[wide] < 1e-2:
-                raise SystemExit(f"WRONG RESULT: {label} bits={case.bits} M={m} wide={wide} rel_err={errs[wide]}")
-            t, g = time_calls([(lambda p=p, nr=nr: L.linear(x, p, nr, case.cb_ours, case.s1, case.s2, case.g, case.k))
-                               for p, nr in qbufs], True)
-            del g
-            times[wide].append(t)
-    finally:
-        L.WIDE = saved
+    row = _ab_switch(case, label, m, "WIDE")
+    row.pop("outs")
+    row["err_one"], row["err_wide"] = row.pop("err_off"), row.pop("err_on")
     kb = L.mma_block(case.nl, case.g, case.n, case.norms.shape[1], m)
-    tn, tw = min(times[False]), min(times[True])
-    del qbufs, bbufs
-    torch.cuda.empty_cache()
-    return dict(shape=label, bits=str(case.bits), M=m, us_bf16=t_bf16, us_natural=tn, us_ordered=tw,
-                ratio_natural=t_bf16 / tn, ratio_ordered=t_bf16 / tw, speedup=tn / tw,
-                default_ordered=kb == L.wide_block(case.nl, case.g), err_one=errs[False], err_wide=errs[True])
+    row["default_ordered"] = kb == L.wide_block(case.nl, case.g)
+    return row
 
 
 def ab_wide_markdown(rows: list, env: dict, command: str) -> str:
