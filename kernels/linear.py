@@ -468,6 +468,51 @@ def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, xs_ptr, M, K, stride_x
 
 
 @triton.jit
+def _hadamard_rows(x, BG: tl.constexpr, G: tl.constexpr, LG: tl.constexpr):
+    """`x H` for each row of float32 `x` `[BG, G]` (H: the +-1 Sylvester Hadamard matrix of order G = 2**LG) in LG
+    constant-geometry butterfly stages: each puts the sums of adjacent pairs in the first half of the row and
+    their differences in the second; after LG stages entry j is sum_i (-1)^popcount(i & j) x_i."""
+    for _ in tl.static_range(LG):
+        a, b = tl.split(tl.reshape(x, [BG, G // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [BG, G])
+    return x
+
+
+@triton.jit
+def _rotate_rows_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, xs_ptr, K, NG, stride_xm, stride_om, stride_sm, scale,
+                        G: tl.constexpr, LG: tl.constexpr, BG: tl.constexpr, PER_T: tl.constexpr,
+                        NUT: tl.constexpr, PDL: tl.constexpr, MMA_KB: tl.constexpr = 0, MMA_PER: tl.constexpr = 0):
+    """`_rotate_kernel` for few activation rows: one program per row and BG groups, the Walsh-Hadamard product as
+    float32 butterflies in registers (`_hadamard_rows`) instead of a 16-row tensor-core product with a (G, G)
+    matrix read from memory; the same outputs (pair layout, tensor-core order or natural order), equal to its
+    within float32 rounding of the sums."""
+    if PDL:  # the GEMV that reads this output may start its prologue now (it waits for this grid's end)
+        gdc_launch_dependents()
+    m = tl.program_id(0)
+    gg = tl.program_id(1) * BG + tl.arange(0, BG)
+    kk = tl.arange(0, G)
+    col = gg[:, None] * G + kk[None, :]
+    live = gg < NG
+    x = tl.load(x_ptr + m * stride_xm + col, mask=live[:, None] & (col < K), other=0.0).to(tl.float32)
+    s1 = tl.load(s1_ptr + kk)
+    s2 = tl.load(s2_ptr + kk)
+    y = _hadamard_rows(x * s1[None, :], BG, G, LG)
+    y = y * scale * s2[None, :]
+    if PER_T > 0:  # the pair GEMV's activations and group scales (as `_rotate_kernel`)
+        ex = _pair_exponent(_group_norm(x, 1))
+        y = y * tl.exp2(-ex)[:, None]
+        tl.store(xs_ptr + m * stride_sm + gg, tl.exp2(ex), mask=live)
+        tl.store(out_ptr + m * stride_om + _pair_column(col, PER_T, NUT), y.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None])
+    elif MMA_KB > 0:  # runs of 8 columns move together: 16-byte stores
+        run = gg[:, None] * G + 8 * tl.arange(0, G // 8)[None, :]
+        optr = out_ptr + m * stride_om + _mma_column(run, MMA_KB, MMA_PER)[:, :, None] + tl.arange(0, 8)[None, None, :]
+        tl.store(optr, tl.reshape(y, [BG, G // 8, 8]).to(out_ptr.dtype.element_ty), mask=live[:, None, None])
+    else:
+        tl.store(out_ptr + m * stride_om + col, y.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
 def _mma_column(col, KB: tl.constexpr, PER: tl.constexpr):
     """Where the run of 8 columns starting at `col` (a multiple of 8) of a rotated row goes in the tensor-core
     GEMV's activation order (`rotate(..., mma_levels=...)`): within each block of KB columns, elements e to
@@ -498,6 +543,21 @@ def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return _HADAMARD[key]
 
 
+# Activation rows up to which `rotate` runs the butterfly kernel (`_rotate_rows_kernel`) rather than the
+# tensor-core one. H200, bf16, device time of the rotation alone (torch.profiler), us, tensor-core -> butterflies:
+# M = 1 2.20 -> 1.35 (4096 inputs), 2.34 -> 1.36 (8192), 2.72 -> 1.41 (14336); M = 16 1.95 -> 1.32, 2.15 -> 1.40,
+# 2.60 -> 1.60 (the output bit for bit the same in all of them). ROWS_CONFIG, when set, overrides `_rows_config`.
+ROWS_MAX_M = 16
+ROWS_CONFIG = None
+
+
+def _rows_config(m: int, g: int) -> tuple[int, int]:
+    """(groups a program, warps) of the butterfly rotation: one warp over 256 inputs a program for one or two
+    rows, over 512 for more (the fastest or within 0.1 us of it in a sweep of 1-8 groups of 128 x 1-4 warps at
+    M = 1, 2, 8 and 16 on the H200: more programs of less work each lose to the launch of their blocks)."""
+    return max(1, (256 if m <= 2 else 512) // g), 1
+
+
 def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
            out_dtype: torch.dtype, unit: int = 0, mma_levels: int = 0, mma_block: int = 0):
     """`(M, in)` activations -> `(M, n_groups*G)` rotated, zero-padded, in `out_dtype`.
@@ -506,7 +566,11 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     unit instead (see `gemv_pairs`; `out_dtype` is ignored). With `mma_levels` (a codebook size for which
     `mma_order` holds): the columns in the tensor-core GEMV's order (`_mma_column`; `gemv_dot(...,
     x_order=True)` reads them), for its blocks of `mma_block` inputs (0: the default block; or the wide block,
-    `wide_block`, for a row of whole pairs of groups)."""
+    `wide_block`, for a row of whole pairs of groups).
+
+    Up to ROWS_MAX_M rows the Walsh-Hadamard product runs as float32 butterflies in registers
+    (`_rotate_rows_kernel`), above as a product with the +-1 matrix on the tensor cores (`_rotate_kernel`); the
+    two agree within float32 rounding of the sums."""
     m, k = x2.shape
     g = group_size
     ng = -(-k // g)
@@ -522,12 +586,19 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     xs = torch.empty(m, ng, dtype=torch.float32, device=x2.device) if pairs else out
     if m == 0:
         return (out.view(torch.int32), xs) if pairs else out
+    pdl = _pdl(x2.device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
+    if m <= ROWS_MAX_M:
+        bg, warps = ROWS_CONFIG or _rows_config(m, g)
+        launch(_rotate_rows_kernel, (m, cdiv(ng, bg)), x2, signs1, signs2, out, xs, k, ng, x2.stride(0),
+               out.stride(0), xs.stride(0), 1.0 / math.sqrt(g), G=g, LG=g.bit_length() - 1, BG=bg, PER_T=unit,
+               NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
+               num_warps=warps)
+        return (out.view(torch.int32), xs) if pairs else out
     bm = 64 if m > 16 and x2.dtype != torch.float32 else 16
     exact16 = x2.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     bc = min(g, 64 if exact16 else 32)
     grid = (cdiv(m, bm), ng, g // bc)
     hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
-    pdl = _pdl(x2.device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
     launch(_rotate_kernel, grid, x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
            1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
            NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,

@@ -101,14 +101,48 @@ def L():
 
 
 @pytest.mark.parametrize("g", [64, 128])
-def test_rotate(L, g):
+@pytest.mark.parametrize("m", [3, 20])  # the butterfly kernel (up to ROWS_MAX_M rows) and the tensor-core one
+def test_rotate(L, g, m):
     k = 200  # not a multiple of G
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     s1, s2 = fmt.signs(g)
+    assert (m <= L.ROWS_MAX_M) == (m == 3)
     got = L.rotate(x, s1, s2, g, torch.float32)
     ref = ops.rotate_activations(x, s1, s2, g)
     assert got.shape == ref.shape
     assert _rel(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("g", [64, 128, 256])
+def test_rotate_butterflies_match_tensor_core_rotation(L, g, monkeypatch):
+    """The butterfly rotation (`_rotate_rows_kernel`, up to ROWS_MAX_M rows) writes what the tensor-core one
+    writes, in each of its layouts: natural order, the pair GEMV's float16 pairs and group scales (the scales
+    bit for bit: both take them from the unrotated group norms), the tensor-core GEMV's order for its default
+    and wide blocks; for 1, 2 and 5 rows, K not a multiple of G (zero-padded groups), 1, 2 and 4 groups a
+    program (the last program's groups past the row masked); within float32 rounding of the sums."""
+    gen = torch.Generator().manual_seed(g)
+    s1, s2 = fmt.signs(g)
+    k = 5 * g - 40
+    layouts = [{}, {"unit": L.lut_unit(8)}, {"unit": L.lut_unit(4)}]
+    layouts += [{"mma_levels": nl} for nl in (4, 8, 16) if L.mma_order(nl, g)]
+    if g == 128:
+        layouts.append({"mma_levels": 8, "mma_block": 256})
+    for m in (1, 2, 5):
+        x = torch.randn(m, k, generator=gen)
+        for kw in layouts:
+            xx = torch.randn(m, 6 * g, generator=gen) if "mma_block" in kw else x  # (wide blocks: pairs of groups)
+            monkeypatch.setattr(L, "ROWS_MAX_M", 0)
+            want = L.rotate(xx, s1, s2, g, torch.float32, **kw)
+            for cfg in (None, (2, 1), (4, 2)):
+                monkeypatch.setattr(L, "ROWS_MAX_M", 16)
+                monkeypatch.setattr(L, "ROWS_CONFIG", cfg)
+                got = L.rotate(xx, s1, s2, g, torch.float32, **kw)
+                if "unit" in kw:
+                    assert torch.equal(got[1], want[1]), (m, kw, cfg)
+                    a, b = got[0].view(torch.float16).float(), want[0].view(torch.float16).float()
+                    assert a.shape == b.shape and (a - b).abs().max() <= 2e-3 * b.abs().max(), (m, kw, cfg)
+                else:
+                    assert got.shape == want.shape and _rel(got, want) < 1e-6, (m, kw, cfg)
 
 
 @pytest.mark.parametrize("bits", BITS)
