@@ -836,14 +836,35 @@ def _byte_tables(cb_ptr, NLEV: tl.constexpr, PAIRS: tl.constexpr = 0):
 
 @triton.jit
 def _prmt(a, b, sel):
-    """PTX `prmt.b32` in its default mode, written out for the interpreter: selector nibble q picks byte
-    `n & 7` of the pair (a, b) for output byte q, or with bit 3 set replicates that byte's top bit."""
-    out = sel & 0
+    """PTX `prmt.b32` in its default mode, written out for the interpreter, for selectors computed at run time:
+    selector nibble q (below 8 here: every such selector is a table lookup) picks byte `n` of the pair (a, b) for
+    output byte q. (The pair as one 64-bit word, each byte one shift: a third of the interpreted operations of a
+    byte-by-byte choice.)"""
+    ab = a.to(tl.uint64) | (b.to(tl.uint64) << 32)
+    sel = sel.to(tl.uint64)
+    out = ab & 0
     for q in tl.static_range(4):
-        n = (sel >> (4 * q)) & 15
-        src = tl.where((n & 7) < 4, a, b)
-        byte = (src >> ((n & 3) * 8)) & 0xFF
-        byte = tl.where(n >= 8, tl.where(byte >= 128, byte * 0 + 0xFF, byte * 0), byte)
+        if q == 0:
+            sh = (sel << 3) & 0x38
+        else:
+            sh = (sel >> (4 * q - 3)) & 0x38
+        out = out | (((ab >> sh) & 0xFF) << (8 * q))
+    return out.to(tl.uint32)
+
+
+@triton.jit
+def _prmt_c(a, b, SEL: tl.constexpr):
+    """`_prmt` for a selector known at compile time, any nibble: n & 7 picks byte n & 7 of the pair (a, b); with bit
+    3 set, that byte's top bit replicated (the sign-replicate mode)."""
+    out = a & 0
+    for q in tl.static_range(4):
+        N: tl.constexpr = (SEL >> (4 * q)) & 15
+        if (N & 7) < 4:
+            byte = (a >> (8 * (N & 3))) & 0xFF
+        else:
+            byte = (b >> (8 * (N & 3))) & 0xFF
+        if N >= 8:
+            byte = tl.where(byte >= 128, byte | 0xFF, byte & 0)
         out = out | (byte << (8 * q))
     return out
 
@@ -915,28 +936,28 @@ def _lut8(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.con
         s = d & 0x77777777
         if NLEV == 16:
             a = d << 4
-            m = _prmt(a, d, 0xD9C8)
+            m = _prmt_c(a, d, 0xD9C8)
             lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
             hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
         else:
             lo = _prmt(t0, t1, s)
             hi = _prmt(t2, t3, s)
-        v0 = _prmt(lo, hi, 0x4040).to(tl.float32, bitcast=True)
-        v1 = _prmt(lo, hi, 0x5151).to(tl.float32, bitcast=True)
-        v2 = _prmt(lo, hi, 0x6262).to(tl.float32, bitcast=True)
-        v3 = _prmt(lo, hi, 0x7373).to(tl.float32, bitcast=True)
+        v0 = _prmt_c(lo, hi, 0x4040).to(tl.float32, bitcast=True)
+        v1 = _prmt_c(lo, hi, 0x5151).to(tl.float32, bitcast=True)
+        v2 = _prmt_c(lo, hi, 0x6262).to(tl.float32, bitcast=True)
+        v3 = _prmt_c(lo, hi, 0x7373).to(tl.float32, bitcast=True)
         s = s >> 16
         if NLEV == 16:
-            m = _prmt(a, d, 0xFBEA)
+            m = _prmt_c(a, d, 0xFBEA)
             lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
             hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
         else:
             lo = _prmt(t0, t1, s)
             hi = _prmt(t2, t3, s)
-        v4 = _prmt(lo, hi, 0x4040).to(tl.float32, bitcast=True)
-        v5 = _prmt(lo, hi, 0x5151).to(tl.float32, bitcast=True)
-        v6 = _prmt(lo, hi, 0x6262).to(tl.float32, bitcast=True)
-        v7 = _prmt(lo, hi, 0x7373).to(tl.float32, bitcast=True)
+        v4 = _prmt_c(lo, hi, 0x4040).to(tl.float32, bitcast=True)
+        v5 = _prmt_c(lo, hi, 0x5151).to(tl.float32, bitcast=True)
+        v6 = _prmt_c(lo, hi, 0x6262).to(tl.float32, bitcast=True)
+        v7 = _prmt_c(lo, hi, 0x7373).to(tl.float32, bitcast=True)
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
@@ -1146,13 +1167,13 @@ def _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: t
         else:
             s = d & 0x77777777
             a = d << 4
-            m = _prmt(a, d, 0xD9C8) & 0x80808080
-            p0 = _prmt(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x5140)
-            p1 = _prmt(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x7362)
+            m = _prmt_c(a, d, 0xD9C8) & 0x80808080
+            p0 = _prmt_c(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x5140)
+            p1 = _prmt_c(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x7362)
             s = s >> 16
-            m = _prmt(a, d, 0xFBEA) & 0x80808080
-            p2 = _prmt(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x5140)
-            p3 = _prmt(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x7362)
+            m = _prmt_c(a, d, 0xFBEA) & 0x80808080
+            p2 = _prmt_c(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x5140)
+            p3 = _prmt_c(_prmt(t0, t1, s), _prmt(t2, t3, s) ^ m, 0x7362)
     elif USE_ASM and NLEV == 16:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             _PAIR16_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [d, t0, t1, t2, t3, t4, t5, t6, t7],
@@ -1164,24 +1185,24 @@ def _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: t
         s = d & 0x77777777
         if NLEV == 16:
             a = d << 4
-            m = _prmt(a, d, 0xD9C8)
+            m = _prmt_c(a, d, 0xD9C8)
             lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
             hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
         else:
             lo = _prmt(t0, t1, s)
             hi = _prmt(t2, t3, s)
-        p0 = _prmt(lo, hi, 0x5140)
-        p1 = _prmt(lo, hi, 0x7362)
+        p0 = _prmt_c(lo, hi, 0x5140)
+        p1 = _prmt_c(lo, hi, 0x7362)
         s = s >> 16
         if NLEV == 16:
-            m = _prmt(a, d, 0xFBEA)
+            m = _prmt_c(a, d, 0xFBEA)
             lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
             hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
         else:
             lo = _prmt(t0, t1, s)
             hi = _prmt(t2, t3, s)
-        p2 = _prmt(lo, hi, 0x5140)
-        p3 = _prmt(lo, hi, 0x7362)
+        p2 = _prmt_c(lo, hi, 0x5140)
+        p3 = _prmt_c(lo, hi, 0x7362)
     return p0, p1, p2, p3
 
 
@@ -1246,18 +1267,18 @@ def _mma_pairs2(w, t0, t2, USE_ASM: tl.constexpr):
     else:
         x = w & 0x03030303
         y = (w >> 4) & 0x03030303
-        a = _prmt(x, y, 0x5140) * 0x11 + 0x40404040
+        a = _prmt_c(x, y, 0x5140) * 0x11 + 0x40404040
         p0 = _prmt(t0, t2, a)
         p1 = _prmt(t0, t2, a >> 16)
-        a = _prmt(x, y, 0x7362) * 0x11 + 0x40404040
+        a = _prmt_c(x, y, 0x7362) * 0x11 + 0x40404040
         p2 = _prmt(t0, t2, a)
         p3 = _prmt(t0, t2, a >> 16)
         x = (w >> 2) & 0x03030303
         y = (w >> 6) & 0x03030303
-        a = _prmt(x, y, 0x5140) * 0x11 + 0x40404040
+        a = _prmt_c(x, y, 0x5140) * 0x11 + 0x40404040
         p4 = _prmt(t0, t2, a)
         p5 = _prmt(t0, t2, a >> 16)
-        a = _prmt(x, y, 0x7362) * 0x11 + 0x40404040
+        a = _prmt_c(x, y, 0x7362) * 0x11 + 0x40404040
         p6 = _prmt(t0, t2, a)
         p7 = _prmt(t0, t2, a >> 16)
     return p0, p1, p2, p3, p4, p5, p6, p7

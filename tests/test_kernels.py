@@ -100,6 +100,50 @@ def L():
             os.environ["TRITON_INTERPRET"] = old
 
 
+def _prmt_by_definition(a: int, b: int, sel: int) -> int:
+    """PTX `prmt.b32`, default mode, from its definition: output byte q is byte `n & 7` of the eight bytes of
+    (a, b) for selector nibble n = `sel >> 4q & 15`, or that byte's top bit replicated when n has bit 3 set."""
+    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for q in range(4):
+        n = (sel >> 4 * q) & 15
+        byte = src[n & 7] if n < 8 else (0xFF if src[n & 7] & 0x80 else 0)
+        out |= byte << 8 * q
+    return out
+
+
+_PRMT_MOD = None  # (the interpreted kernels module, set by the test below)
+
+
+def _prmt_probe(a_ptr, b_ptr, s_ptr, out_ptr, out_c_ptr, SEL):
+    tl = triton.language
+    i = tl.arange(0, 64)
+    a = tl.load(a_ptr + i).to(tl.uint32, bitcast=True)
+    b = tl.load(b_ptr + i).to(tl.uint32, bitcast=True)
+    s = tl.load(s_ptr + i).to(tl.uint32, bitcast=True)
+    tl.store(out_ptr + i, _PRMT_MOD._prmt(a, b, s).to(tl.int32, bitcast=True))
+    tl.store(out_c_ptr + i, _PRMT_MOD._prmt_c(a, b, SEL).to(tl.int32, bitcast=True))
+
+
+def test_prmt_emulation_matches_ptx_definition(L):
+    """Every interpreter test decodes through the emulated byte permute: `_prmt` (run-time selectors, nibbles
+    below 8: the table lookups) and `_prmt_c` (compile-time selectors, sign-replicating nibbles included) give
+    the PTX definition's bytes on random words, for the selectors the kernels use and others."""
+    global _PRMT_MOD
+    _PRMT_MOD = L
+    probe = triton.jit(_prmt_probe)  # (decorated here: the fixture has TRITON_INTERPRET=1 set)
+    gen = torch.Generator().manual_seed(9)
+    for sel in (0x5140, 0x7362, 0x4040, 0x5151, 0x6262, 0x7373, 0xD9C8, 0xFBEA, 0x3210, 0x8F0E):
+        a, b, s = (torch.randint(-2**31, 2**31 - 1, (64,), generator=gen, dtype=torch.int32) for _ in range(3))
+        s &= 0x77777777
+        out, out_c = torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.int32)
+        probe[(1,)](a, b, s, out, out_c, SEL=sel)
+        u = lambda t: [v & 0xFFFFFFFF for v in t.tolist()]  # noqa: E731
+        for x, y, z, got, got_c in zip(u(a), u(b), u(s), u(out), u(out_c)):
+            assert got == _prmt_by_definition(x, y, z), (hex(x), hex(y), hex(z), hex(got))
+            assert got_c == _prmt_by_definition(x, y, sel), (hex(sel), hex(got_c))
+
+
 @pytest.mark.parametrize("g", [64, 128])
 @pytest.mark.parametrize("m", [3, 20])  # the butterfly kernel (up to ROWS_MAX_M rows) and the tensor-core one
 def test_rotate(L, g, m):
