@@ -602,8 +602,8 @@ def _ab_switch(case: Case, label: str, m: int, switch: str) -> dict:
     t_off, t_on = min(times[False]), min(times[True])
     del qbufs, bbufs
     torch.cuda.empty_cache()
-    return dict(shape=label, bits=str(case.bits), M=m, us_bf16=t_bf16, us_natural=t_off, us_ordered=t_on,
-                ratio_natural=t_bf16 / t_off, ratio_ordered=t_bf16 / t_on, speedup=t_off / t_on,
+    return dict(shape=label, bits=str(case.bits), M=m, us_bf16=t_bf16, us_off=t_off, us_on=t_on,
+                ratio_off=t_bf16 / t_off, ratio_on=t_bf16 / t_on, speedup=t_off / t_on,
                 err_off=errs[False], err_on=errs[True], outs=outs)
 
 
@@ -614,8 +614,7 @@ def ab_x_order(case: Case, label: str, m: int) -> dict:
     outs = row.pop("outs")
     if not torch.equal(outs[False], outs[True]):
         raise SystemExit(f"activation order changed the output: {label} bits={case.bits} M={m}")
-    row.pop("err_off"), row.pop("err_on")
-    row["default_ordered"] = L.uses_x_order(case.n, case.norms.shape[1], case.nl, case.g)
+    row["default_on"] = L.uses_x_order(case.n, case.norms.shape[1], case.nl, case.g)
     return row
 
 
@@ -625,35 +624,23 @@ def ab_wide(case: Case, label: str, m: int) -> dict:
     norm to 16 bits, so the two differ)."""
     row = _ab_switch(case, label, m, "WIDE")
     row.pop("outs")
-    row["err_one"], row["err_wide"] = row.pop("err_off"), row.pop("err_on")
-    kb = L.mma_block(case.nl, case.g, case.n, case.norms.shape[1], m)
-    row["default_ordered"] = kb == L.wide_block(case.nl, case.g)
+    row["default_on"] = L.mma_block(case.nl, case.g, case.n, case.norms.shape[1], m) == L.wide_block(case.nl, case.g)
     return row
 
 
-def ab_wide_markdown(rows: list, env: dict, command: str) -> str:
+def ab_markdown(rows: list, env: dict, command: str, off: str, on: str, errors: bool) -> str:
+    """The table of a same-run A/B (`_ab_switch` rows): `off` / `on` name the two settings in the headers;
+    `errors`: with both settings' relative errors (they differ only where the switch changes the output)."""
     out = [f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
            f"Python {env['python']}", f"- date: {env['date']}", f"- command: `{command}` (from benchmarks/)", "",
-           "| shape (in x out) | bits | M | bf16 us | one-group blocks us | wide blocks us | ratio one-group | "
-           "ratio wide | wide speedup | wide by default | rel. error one-group | rel. error wide |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+           f"| shape (in x out) | bits | M | bf16 us | {off} us | {on} us | ratio {off} | ratio {on} | {on} speedup | "
+           f"{on} by default |" + (f" rel. error {off} | rel. error {on} |" if errors else ""),
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if errors else "")]
     for r in rows:
-        out.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['us_bf16']:.1f} | {r['us_natural']:.1f} | "
-                   f"{r['us_ordered']:.1f} | {r['ratio_natural']:.2f} | {r['ratio_ordered']:.2f} | "
-                   f"{r['speedup']:.2f} | {'yes' if r['default_ordered'] else 'no'} | {r['err_one']:.1e} | "
-                   f"{r['err_wide']:.1e} |")
-    return "\n".join(out) + "\n"
-
-
-def ab_markdown(rows: list, env: dict, command: str) -> str:
-    out = [f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
-           f"Python {env['python']}", f"- date: {env['date']}", f"- command: `{command}` (from benchmarks/)", "",
-           "| shape (in x out) | bits | M | bf16 us | natural us | ordered us | ratio natural | ratio ordered | "
-           "ordered speedup | ordered by default |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        out.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['us_bf16']:.1f} | {r['us_natural']:.1f} | "
-                   f"{r['us_ordered']:.1f} | {r['ratio_natural']:.2f} | {r['ratio_ordered']:.2f} | "
-                   f"{r['speedup']:.2f} | {'yes' if r['default_ordered'] else 'no'} |")
+        out.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['us_bf16']:.1f} | {r['us_off']:.1f} | "
+                   f"{r['us_on']:.1f} | {r['ratio_off']:.2f} | {r['ratio_on']:.2f} | "
+                   f"{r['speedup']:.2f} | {'yes' if r['default_on'] else 'no'} |"
+                   + (f" {r['err_off']:.1e} | {r['err_on']:.1e} |" if errors else ""))
     return "\n".join(out) + "\n"
 
 
@@ -683,7 +670,8 @@ def main() -> int:
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     rows = []
     if args.ab_wide or args.ab_x_order:  # same-run A/B of one switch of the kernels, on and off
-        ab, ab_md, bits_default = (ab_wide, ab_wide_markdown, "3") if args.ab_wide else (ab_x_order, ab_markdown, "3,4,2")
+        ab, names, bits_default = ((ab_wide, ("one-group blocks", "wide blocks", True), "3") if args.ab_wide
+                                   else (ab_x_order, ("natural", "ordered", False), "3,4,2"))
         ms = [int(v) for v in (args.ms or "8,16,32,64").split(",")]
         for bits in [int(b) for b in ((args.bits if args.ab_x_order else None) or bits_default).split(",")]:
             for label, k, n in shapes:
@@ -693,7 +681,7 @@ def main() -> int:
                     print(json.dumps(rows[-1]), flush=True)
                 del case
                 torch.cuda.empty_cache()
-        md = ab_md(rows, env, "python " + " ".join(sys.argv))
+        md = ab_markdown(rows, env, "python " + " ".join(sys.argv), *names)
         print(md)
         if args.md:
             with open(args.md, "w") as f:

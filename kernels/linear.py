@@ -2262,11 +2262,13 @@ def _check_block(n_levels: int, g: int, ng: int, block: int, ordered: bool) -> i
     why."""
     base = _mma_block(n_levels, g)
     kb = block or base
+    if ordered and kb == base and not mma_order(n_levels, g):
+        raise ValueError(f"no tensor-core activation order for {n_levels} levels at G = {g}")
+    if not _mma_serves(n_levels, g):  # (ternary: the select GEMV, no blocks)
+        raise ValueError(f"no tensor-core blocks of {kb} inputs for {n_levels} levels at G = {g}")
     if kb == base:
-        if ordered and not mma_order(n_levels, g):
-            raise ValueError(f"no tensor-core activation order for {n_levels} levels at G = {g}")
         return kb
-    if kb != wide_block(n_levels, g) or not _mma_serves(n_levels, g):
+    if kb != wide_block(n_levels, g):
         raise ValueError(f"no tensor-core blocks of {kb} inputs for {n_levels} levels at G = {g} (blocks of {base}"
                          + (f" or {wide_block(n_levels, g)})" if wide_block(n_levels, g) else ")"))
     if ng % (kb // g):
@@ -2297,9 +2299,9 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     out = torch.empty(m, n, dtype=out_dtype, device=x_rot.device)
     if m == 0 or n == 0:
         return out
+    kb = _check_block(n_levels, group_size, ng, block, x_order) if block or x_order else 0
     if _mma_serves(n_levels, group_size):
-        kb = _check_block(n_levels, group_size, ng, block, x_order) if block or x_order else \
-            mma_block(n_levels, group_size, n, ng, m)
+        kb = kb or mma_block(n_levels, group_size, n, ng, m)
         default = _dot_config(n, ng, n_levels, group_size, kb)
         bm = 8 if m <= 8 else 16
         if m > DOT_MAX_M:
@@ -2326,10 +2328,6 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
             LANES_FIRST=_lanes_first(), XORDER=bool(x_order),
             num_warps=warps, num_stages=stages, **opts)
         return out
-    if x_order:
-        raise ValueError(f"no tensor-core activation order for {n_levels} levels at G = {group_size}")
-    if block:
-        raise ValueError(f"no tensor-core blocks of {block} inputs for {n_levels} levels at G = {group_size}")
     geo = unit_geometry(n_levels, group_size)
     bn, warps, stages, lut = _with_mask(config or _dot_config(n, ng, n_levels, group_size), n_levels)
     pk = _packed_view(packed, geo["WPU"])
