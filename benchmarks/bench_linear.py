@@ -381,6 +381,21 @@ DOT_SWEEP = [(64, 4, 1, 0), (64, 4, 1, 0x01010101), (64, 4, 1, 0x11111111), (32,
              (128, 8, 1, 0x01010101), (64, 8, 1, 0x01010101), (32, 4, 1, 0)]
 
 
+def mma_sweep(d0: tuple) -> list[tuple]:
+    """Tensor-core GEMV configurations (BN, warps, stages, prefetch, maxnreg, blocks) tried by --sweep around the
+    default `d0`: register caps of 128 and 168, 1 or 2 blocks a warp, 4 or 8 warps, prefetch 2, twice or half the
+    rows (the default first)."""
+    bn, w, st, pf, _, blk = d0
+    out = [d0]
+    for c in ((bn, w, st, pf, 128, blk), (bn, w, st, pf, 168, blk), (bn, w, st, pf, 0, 2), (bn, w, st, pf, 128, 2),
+              (bn, 8, st, pf, 0, 2), (bn, 8, st, pf, 128, 2), (bn, 8, st, pf, 0, 1), (bn, 4, st, pf, 0, 1),
+              (bn, 4, st, pf, 128, 1), (bn, w, st, 2, 0, blk), (bn, w, st, 2, 168, blk), (2 * bn, w, st, pf, 0, blk),
+              (max(16, bn // 2), 2 * w, st, pf, 0, blk)):
+        if c not in out:
+            out.append(c)
+    return out
+
+
 # pair GEMV configurations tried by --sweep-pairs: (BN, warps[, maxnreg]) at M = 1
 PAIR_SWEEP = [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (4, 8), (8, 8, 64), (8, 4, 96), (16, 4, 96), (4, 8, 64),
               (4, 4, 64), (2, 4), (2, 8), (2, 2), (4, 2), (2, 4, 96), (4, 2, 128), (8, 2, 128), (8, 4, 96, 1),
@@ -441,18 +456,29 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
             d0 = L._with_mask(L._fma_config(n, ng, nl, g), nl)
             for cfg in [d0] + [c for c in FMA_SWEEP[case.bits] if c != d0]:
                 variants.append((f"fma gemv only {cfg[:3]} {cfg[3]:#x}" + (" *" if cfg == d0 else ""),
-                                 lambda p, nr, cfg=cfg: L.gemv_fma(x_rot, p, nr, case.cb, g, torch.bfloat16, config=cfg)))
+                                 lambda p, nr, cfg=cfg: L.gemv_fma(x_rot, p, nr, case.cb_ours, g, torch.bfloat16, config=cfg)))
+        elif m <= 16 and L._mma_serves(nl, g):
+            # the tensor-core GEMV as `linear` runs it (activation order and block as it picks them)
+            order = L.uses_x_order(n, ng, nl, g)
+            kb = L.mma_block(nl, g, n, ng, m)
+            x_rot = L.rotate(x, case.s1, case.s2, g, torch.bfloat16, mma_levels=nl if order else 0,
+                             mma_block=kb if order else 0)
+            d0 = tuple(L._dot_config(n, ng, nl, g, kb))
+            for cfg in mma_sweep(d0):
+                variants.append((f"mma gemv only {cfg}" + (" *" if cfg == d0 else ""),
+                                 lambda p, nr, cfg=cfg: L.gemv_dot(x_rot, p, nr, case.cb_ours, g, torch.bfloat16,
+                                                                   config=cfg, x_order=order, block=kb)))
         elif m <= 16:
             x_rot = L.rotate(x, case.s1, case.s2, g, torch.bfloat16)
             d0 = L._with_mask(L._dot_config(n, ng, nl, g, L.mma_block(nl, g, n, ng, m)), nl)
             for cfg in [d0] + [c for c in DOT_SWEEP if c != d0]:
                 variants.append((f"dot gemv only {cfg[:3]} {cfg[3]:#x}" + (" *" if cfg == d0 else ""),
-                                 lambda p, nr, cfg=cfg: L.gemv_dot(x_rot, p, nr, case.cb, g, torch.bfloat16, config=cfg)))
+                                 lambda p, nr, cfg=cfg: L.gemv_dot(x_rot, p, nr, case.cb_ours, g, torch.bfloat16, config=cfg)))
         else:
             x_rot = L.rotate(x, case.s1, case.s2, g, torch.bfloat16)
-            variants.append(("dequant only", lambda p, nr: L.dequantize_rotated(p, nr, case.cb, g, torch.bfloat16)))
+            variants.append(("dequant only", lambda p, nr: L.dequantize_rotated(p, nr, case.cb_ours, g, torch.bfloat16)))
             variants.append(("dequant + F.linear (no rotate) *",
-                             lambda p, nr: F.linear(x_rot, L.dequantize_rotated(p, nr, case.cb, g, torch.bfloat16))))
+                             lambda p, nr: F.linear(x_rot, L.dequantize_rotated(p, nr, case.cb_ours, g, torch.bfloat16))))
         rows += _time_variants(case, label, m, x, ref, variants, graph, t_b)
         torch.cuda.empty_cache()
     return rows
@@ -655,7 +681,8 @@ def main() -> int:
                     help="time pair GEMV configurations on the whole op (M = 1, 3- and 4-bit unless --bits)")
     ap.add_argument("--fused", action="store_true", help="with --sweep-pairs / --sweep-whole: the fused projections' shapes too")
     ap.add_argument("--bits", help="with --sweep-pairs / --sweep-whole: the bit widths (default 3,2,4,1.58 / 3,4)")
-    ap.add_argument("--ms", help="comma-separated M (default 1,16,2048; with --ab-x-order / --ab-wide 8,16,32,64)")
+    ap.add_argument("--ms", help="comma-separated M (default 1,16,2048; with --sweep 1,16 (and 2048 for 2048 inputs); "
+                                 "with --ab-x-order / --ab-wide 8,16,32,64)")
     ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
     ap.add_argument("--ab-x-order", action="store_true",
                     help="time the tensor-core GEMV's activation order on and off (--ms, default 8,16,32,64; --bits)")
@@ -709,7 +736,8 @@ def main() -> int:
     elif args.sweep:
         for label, k, n in shapes:
             case = Case(k, n, 3)
-            rows += sweep_case(case, label, ms=(1, 16) if k != 2048 else (1, 16, 2048))
+            ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else (1, 16) if k != 2048 else (1, 16, 2048)
+            rows += sweep_case(case, label, ms=ms)
             del case
             torch.cuda.empty_cache()
         label, k, n = next((s for s in shapes if s[1] == 8192), shapes[0])
