@@ -456,7 +456,8 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
             d0 = L._with_mask(L._fma_config(n, ng, nl, g), nl)
             for cfg in [d0] + [c for c in FMA_SWEEP[case.bits] if c != d0]:
                 variants.append((f"fma gemv only {cfg[:3]} {cfg[3]:#x}" + (" *" if cfg == d0 else ""),
-                                 lambda p, nr, cfg=cfg: L.gemv_fma(x_rot, p, nr, case.cb_ours, g, torch.bfloat16, config=cfg)))
+                                 lambda p, nr, cfg=cfg: L.gemv_fma(x_rot, p, nr, case.cb_ours, g, torch.bfloat16,
+                                                                   config=cfg)))
         elif m <= 16 and L._mma_serves(nl, g):
             # the tensor-core GEMV as `linear` runs it (activation order and block as it picks them)
             order = L.uses_x_order(n, ng, nl, g)
@@ -473,12 +474,13 @@ def sweep_case(case: Case, label: str, ms=(1, 16)) -> list[dict]:
             d0 = L._with_mask(L._dot_config(n, ng, nl, g, L.mma_block(nl, g, n, ng, m)), nl)
             for cfg in [d0] + [c for c in DOT_SWEEP if c != d0]:
                 variants.append((f"dot gemv only {cfg[:3]} {cfg[3]:#x}" + (" *" if cfg == d0 else ""),
-                                 lambda p, nr, cfg=cfg: L.gemv_dot(x_rot, p, nr, case.cb_ours, g, torch.bfloat16, config=cfg)))
+                                 lambda p, nr, cfg=cfg: L.gemv_dot(x_rot, p, nr, case.cb_ours, g, torch.bfloat16,
+                                                                   config=cfg)))
         else:
             x_rot = L.rotate(x, case.s1, case.s2, g, torch.bfloat16)
-            variants.append(("dequant only", lambda p, nr: L.dequantize_rotated(p, nr, case.cb_ours, g, torch.bfloat16)))
-            variants.append(("dequant + F.linear (no rotate) *",
-                             lambda p, nr: F.linear(x_rot, L.dequantize_rotated(p, nr, case.cb_ours, g, torch.bfloat16))))
+            decode = lambda p, nr: L.dequantize_rotated(p, nr, case.cb_ours, g, torch.bfloat16)  # noqa: E731
+            variants.append(("dequant only", decode))
+            variants.append(("dequant + F.linear (no rotate) *", lambda p, nr: F.linear(x_rot, decode(p, nr))))
         rows += _time_variants(case, label, m, x, ref, variants, graph, t_b)
         torch.cuda.empty_cache()
     return rows
