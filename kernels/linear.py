@@ -1504,10 +1504,12 @@ def _mma_block_norms(nrm_ptr, nb, nrow, N, NBLK: tl.constexpr, UPB: tl.constexpr
 # unit decodes (`rotate(..., unit=...)` or `pack_pairs`: word q * NUT + u holds elements 2q, 2q + 1 of
 # unit u), each group scaled by a power of two 2**-e (e per activation row and group, `_pair_exponent`)
 # so that the group's L2 norm is at most 2**8. A unit's products are chained in float16 (16 per lane at 3
-# bits, 8 at 2, 4 at 4), then summed into float32 and scaled by the weight's group norm times 2**e. By
-# Cauchy-Schwarz a chain is at most sqrt(16) * 2**8 * max|codebook| in magnitude: no overflow for
-# codebooks below 60, whatever the activations' scale. Accuracy: float16 keeps 11 significant bits; on
-# random data the bfloat16 result is within 1.8e-3 (relative L2) of the float32 reference (3-bit, H200).
+# bits, 8 at 2, 4 at 4); the chains of 32 consecutive indices (one 3-bit unit, two 2-bit, four 4-bit units)
+# are added in float16, then summed into float32 and scaled by the weight's group norm times 2**e. By
+# Cauchy-Schwarz such a sum (16 products a lane), and every partial sum on the way, is at most sqrt(16) * 2**8
+# * max|codebook| in magnitude: no overflow for codebooks below 60, whatever the activations' scale. Accuracy:
+# float16 keeps 11 significant bits; on random data the bfloat16 result is within 1.8e-3 (relative L2) of the
+# float32 reference at every width (H200).
 
 @triton.jit
 def _f16_lo(h):
@@ -1567,12 +1569,47 @@ def _chain4(p0, p1, p2, p3, q0: tl.constexpr, xrow, NUT: tl.constexpr, xu, BN: t
 
 
 @triton.jit
+def _hadd2(a, b, USE_ASM: tl.constexpr):
+    """Two float16 sums at once (uint32 pairs, `add.rn.f16x2`; in the interpreter float32 sums rounded to
+    float16)."""
+    if USE_ASM:
+        out = tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True,
+                                        pack=1)
+    else:
+        out = _f16_bits(_f16_lo(a) + _f16_lo(b)) | (_f16_bits(_f16_hi(a) + _f16_hi(b)) << 16)
+    return out
+
+
+@triton.jit
+def _pair_halves(h, UT: tl.constexpr):
+    """A `[BU, BN]` tile (UT; else `[BN, BU]`) -> its even and odd units, `[BU / 2, BN]` each."""
+    if UT:
+        a, b = tl.split(tl.permute(tl.reshape(h, [h.shape[0] // 2, 2, h.shape[1]]), (0, 2, 1)))
+    else:
+        a, b = tl.split(tl.reshape(h, [h.shape[0], h.shape[1] // 2, 2]))
+    return a, b
+
+
+@triton.jit
+def _group_chains(h, GRP: tl.constexpr, UT: tl.constexpr, USE_ASM: tl.constexpr):
+    """The float16 chains of GRP (1, 2 or 4) consecutive units summed in float16: `[BU / GRP, BN]` (UT)."""
+    if GRP > 1:
+        a, b = _pair_halves(h, UT)
+        h = _hadd2(a, b, USE_ASM)
+    if GRP > 2:
+        a, b = _pair_halves(h, UT)
+        h = _hadd2(a, b, USE_ASM)
+    return h
+
+
+@triton.jit
 def _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr,
                     TUNED: tl.constexpr, NUT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                    USE_ASM: tl.constexpr, UT: tl.constexpr = 0):
+                    USE_ASM: tl.constexpr, UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
     """Units `[BN, BU]` (words w0..w2), decoded once, times the activation pairs of BM (1, 2 or 4) rows at
-    xr0..xr3 (those past BM unused): one float16 chain per unit and row, summed into float32 `[BN, BU]` per row
-    (four results; rows past BM give zeros)."""
+    xr0..xr3 (those past BM unused): one float16 chain per unit and row; the chains of GRP consecutive units
+    summed in float16 (`_group_chains`), then into float32 `[BN, BU / GRP]` per row (four results; rows past BM
+    give zeros)."""
     h0 = w0 & 0
     h1 = h0
     h2 = h0
@@ -1606,6 +1643,17 @@ def _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, 
             if BM > 2:
                 h2 = _chain4(p0, p1, p2, p3, 4 * ch, xr2, NUT, xu, BN, h2, USE_ASM, UT)
                 h3 = _chain4(p0, p1, p2, p3, 4 * ch, xr3, NUT, xu, BN, h3, USE_ASM, UT)
+    h0 = _group_chains(h0, GRP, UT, USE_ASM)
+    if BM > 1:
+        h1 = _group_chains(h1, GRP, UT, USE_ASM)
+    else:
+        h1 = h0 & 0
+    if BM > 2:
+        h2 = _group_chains(h2, GRP, UT, USE_ASM)
+        h3 = _group_chains(h3, GRP, UT, USE_ASM)
+    else:
+        h2 = h1
+        h3 = h1
     return (_f16_lo(h0) + _f16_hi(h0), _f16_lo(h1) + _f16_hi(h1), _f16_lo(h2) + _f16_hi(h2),
             _f16_lo(h3) + _f16_hi(h3))
 
@@ -1625,10 +1673,12 @@ def _store_pair_row(out_ptr, acc, m, M, stride_om, rn, N, UT: tl.constexpr = 0):
 
 
 @triton.jit
-def _pair_words(pk_ptr, nrm_ptr, rl, uu, NUT: tl.constexpr, NG: tl.constexpr, UPG: tl.constexpr,
-                WPU: tl.constexpr, TUNED: tl.constexpr, EVEN_U: tl.constexpr, UT: tl.constexpr = 0):
-    """Words and float32 group norms of units `uu` `[BU]` of rows `rl` `[BN]` (units past the row's end, when
-    the step does not divide it: zero words and norms)."""
+def _pair_words(pk_ptr, nrm_ptr, rl, u0, BU: tl.constexpr, NUT: tl.constexpr, NG: tl.constexpr,
+                UPG: tl.constexpr, WPU: tl.constexpr, TUNED: tl.constexpr, EVEN_U: tl.constexpr,
+                UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
+    """Words of units `u0 .. u0 + BU - 1` of rows `rl` `[BN]`, and the float32 group norms of their BU / GRP
+    groups of GRP units (units past the row's end, when the step does not divide it: zero words and norms)."""
+    uu = u0 + tl.arange(0, BU)
     if UT:
         r2 = rl[None, :]
         u2 = uu[:, None]
@@ -1638,12 +1688,42 @@ def _pair_words(pk_ptr, nrm_ptr, rl, uu, NUT: tl.constexpr, NG: tl.constexpr, UP
     unit_off = r2 * NUT + u2
     if EVEN_U:
         w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, r2, NUT)
-        nr = tl.load(nrm_ptr + r2 * NG + u2 // UPG).to(tl.float32)
     else:
         um = (r2 >= 0) & (u2 < NUT)
         w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, TUNED, r2, NUT)
-        nr = tl.load(nrm_ptr + r2 * NG + u2 // UPG, mask=um, other=0.0).to(tl.float32)
-    return w0, w1, w2, nr
+    return w0, w1, w2, _pair_norms(nrm_ptr, rl, u0, BU, NUT, NG, UPG, EVEN_U, UT, GRP)
+
+
+@triton.jit
+def _pair_norms(nrm_ptr, rl, u0, BU: tl.constexpr, NUT: tl.constexpr, NG: tl.constexpr, UPG: tl.constexpr,
+                EVEN_U: tl.constexpr, UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
+    """The float32 group norms of units u0 .. u0 + BU - 1 of rows `rl` (zero past the row's end), one per GRP
+    units (`_group_firsts`)."""
+    uu = u0 + tl.arange(0, BU)
+    if UT:
+        r2 = rl[None, :]
+        u2 = uu[:, None]
+    else:
+        r2 = rl[:, None]
+        u2 = uu[None, :]
+    if EVEN_U:
+        nr = tl.load(nrm_ptr + r2 * NG + u2 // UPG)
+    else:
+        um = (r2 >= 0) & (u2 < NUT)
+        nr = tl.load(nrm_ptr + r2 * NG + u2 // UPG, mask=um, other=0.0)
+    return _group_firsts(nr.to(tl.float32), GRP, UT)
+
+
+@triton.jit
+def _group_firsts(v, GRP: tl.constexpr, UT: tl.constexpr):
+    """The first of each GRP consecutive units of a `[BU, BN]` tile (UT): `[BU / GRP, BN]` in the layout that
+    `_group_chains` gives (loaded per unit, in the words' layout, then taken apart the same way: a load in the
+    grouped layout would pass through shared memory)."""
+    if GRP > 1:
+        v, _ = _pair_halves(v, UT)
+    if GRP > 2:
+        v, _ = _pair_halves(v, UT)
+    return v
 
 
 @triton.jit
@@ -1653,8 +1733,9 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
                       X_DIV: tl.constexpr, TUNED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
                       UT: tl.constexpr = 0):
     """One program per BN weight rows and BM (1, 2 or 4) activation rows: one unit per lane and row per step,
-    decoded once; each activation row's float16 pair chains (`_unit_pair_sums`) scaled by the group norms times
-    that row's group scales into float32 sums.
+    decoded once; each activation row's float16 pair chains (`_unit_pair_sums`; those of 32 consecutive indices
+    added in float16 first: two 2-bit or four 4-bit units) scaled by the group norms times that row's group
+    scales into float32 sums.
 
     PREFETCH: each step's words and norms are loaded during the step before (the first step's before the
     loop, and before waiting for the previous kernel: PDL), so that the loads of a program overlap its own
@@ -1669,6 +1750,10 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     NUT: tl.constexpr = NG * UPG
     EVEN_U: tl.constexpr = NUT % BU == 0
+    # the float16 chains of GRP consecutive units (32 indices: one 3-bit unit, two 2-bit, four 4-bit ones) are
+    # summed before they are converted to float32 and scaled, so that the conversion, the scaling and the norm
+    # and scale loads come once per 32 weights at every width
+    GRP: tl.constexpr = 1 if NLEV == 8 else (2 if NLEV == 4 else 4)
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BM
     t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2)
@@ -1688,12 +1773,12 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
     xr2, sr2 = _pair_row(x2_ptr, xs_ptr, m0 + 2, M, stride_xm, stride_sm)
     xr3, sr3 = _pair_row(x2_ptr, xs_ptr, m0 + 3, M, stride_xm, stride_sm)
     ru = tl.arange(0, BU)
-    acc0 = tl.zeros([BU, BN] if UT else [BN, BU], dtype=tl.float32)
+    acc0 = tl.zeros([BU // GRP, BN] if UT else [BN, BU // GRP], dtype=tl.float32)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
     if PREFETCH:
-        n0, n1, n2, nrn = _pair_words(pk_ptr, nrm_ptr, rl, ru, NUT, NG, UPG, WPU, TUNED, EVEN_U, UT)
+        n0, n1, n2, nrn = _pair_words(pk_ptr, nrm_ptr, rl, 0, BU, NUT, NG, UPG, WPU, TUNED, EVEN_U, UT, GRP)
     if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
         gdc_wait()
     for u0 in tl.range(0, NUT, BU):
@@ -1705,19 +1790,20 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
             nr = nrn
             # (the step after the last: masked off, which keeps the loads vectorized where clamped addresses
             # would not)
-            n0, n1, n2, nrn = _pair_words(pk_ptr, nrm_ptr, rl, uu + BU, NUT, NG, UPG, WPU, TUNED, False, UT)
+            n0, n1, n2, nrn = _pair_words(pk_ptr, nrm_ptr, rl, u0 + BU, BU, NUT, NG, UPG, WPU, TUNED, False, UT,
+                                          GRP)
         else:
-            w0, w1, w2, nr = _pair_words(pk_ptr, nrm_ptr, rl, uu, NUT, NG, UPG, WPU, TUNED, EVEN_U, UT)
+            w0, w1, w2, nr = _pair_words(pk_ptr, nrm_ptr, rl, u0, BU, NUT, NG, UPG, WPU, TUNED, EVEN_U, UT, GRP)
         # (units past the row's end: zero norms and scales, activations of the last unit)
         xu = uu if EVEN_U else tl.minimum(uu, NUT - 1)
         s0, s1, s2, s3 = _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV,
-                                         TUNED, NUT, BN, BM, USE_ASM, UT)
-        acc0 += s0 * (nr * _pair_scales(sr0, uu, UPG, NUT, EVEN_U, BN, UT))
+                                         TUNED, NUT, BN, BM, USE_ASM, UT, GRP)
+        acc0 += s0 * (nr * _group_firsts(_pair_scales(sr0, uu, UPG, NUT, EVEN_U, BN, UT), GRP, UT))
         if BM > 1:
-            acc1 += s1 * (nr * _pair_scales(sr1, uu, UPG, NUT, EVEN_U, BN, UT))
+            acc1 += s1 * (nr * _group_firsts(_pair_scales(sr1, uu, UPG, NUT, EVEN_U, BN, UT), GRP, UT))
         if BM > 2:
-            acc2 += s2 * (nr * _pair_scales(sr2, uu, UPG, NUT, EVEN_U, BN, UT))
-            acc3 += s3 * (nr * _pair_scales(sr3, uu, UPG, NUT, EVEN_U, BN, UT))
+            acc2 += s2 * (nr * _group_firsts(_pair_scales(sr2, uu, UPG, NUT, EVEN_U, BN, UT), GRP, UT))
+            acc3 += s3 * (nr * _group_firsts(_pair_scales(sr3, uu, UPG, NUT, EVEN_U, BN, UT), GRP, UT))
     if EXPERTS > 0:
         acc0 = tl.where(live, acc0, 0.0)
         _store_pair_row(out_ptr, acc0, m0, m0 + 1, stride_om, rn, N, UT)
@@ -1851,6 +1937,10 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     if pdl:
         opts["launch_pdl"] = True
     bu = bu or min(32 * warps, next_power_of_2(nut))
+    grp = 32 // per  # (units whose float16 chains the kernel adds: 32 indices)
+    if bu < grp or bu & (bu - 1):
+        raise ValueError(f"the pair GEMV's units a step must be a power of two of at least {grp} for a "
+                         f"{n_levels}-entry codebook, not {bu}")
     out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     if m == 0 or n == 0:
         return out

@@ -290,7 +290,7 @@ def test_pair_gemv_matches_reference(L, bits, g):
         assert torch.equal(ps, xs) and torch.equal(p2, x2)
         for pk in layouts:
             ys = []
-            launch = ((4, 1, 0, 1), (8, 1, 0, 1, 2 if g == 64 else 4)) if scale == 1.0 and m <= 2 else ()
+            launch = ((4, 1, 0, 1), (8, 1, 0, 1, 4)) if scale == 1.0 and m <= 2 else ()
             for cfg in (None, (4, 1)) + launch:
                 y = L.gemv_pairs(x2, xs, pk, norms, _kcb(pk, cb), g, torch.float32, config=cfg)
                 err = _rel(y, ref)
@@ -321,7 +321,7 @@ def test_pair_gemv_units_first(L, bits):
             x = torch.randn(m, k, generator=gen)
             ref = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
             x2, xs = L.rotate(x, s1, s2, g, torch.float32, unit=L.lut_unit(nl))
-            for cfg in (None, (8, 1, 0, 1), (4, 1, 0, 0, 2)) if m == 1 else (None,):
+            for cfg in (None, (8, 1, 0, 1), (4, 1, 0, 0, 4)) if m == 1 else (None,):
                 ys = []
                 for lanes_first in (False, True):
                     L._LANES_FIRST = lanes_first
@@ -338,6 +338,23 @@ def test_pair_gemv_units_first(L, bits):
         assert torch.equal(outs[1][1], torch.zeros(n)) and _rel(outs[1], outs[0]) < 1e-6
     finally:
         L._LANES_FIRST = None
+
+
+def test_pair_gemv_refuses_steps_below_a_chain_group(L):
+    """The pair GEMV adds the float16 chains of 32 consecutive indices (two 2-bit units, four 4-bit ones) within a
+    lane's units: a configuration whose step holds fewer units, or not a power of two, is refused by name before
+    anything is launched; the smallest allowed step runs."""
+    n, k, g = 8, 256, 128
+    gen = torch.Generator().manual_seed(6)
+    for bits, smallest in ((2, 2), (4, 4), (3, 1)):
+        packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=60 + bits)
+        x2, xs = L.rotate(torch.randn(1, k, generator=gen), s1, s2, g, torch.float32, unit=L.lut_unit(cb.numel()))
+        for bad in ([smallest // 2] if smallest > 1 else []) + [3 * smallest]:
+            with pytest.raises(ValueError, match=f"power of two of at least {smallest}.*not {bad}"):
+                L.gemv_pairs(x2, xs, packed, norms, cb, g, torch.float32, config=(8, 1, 0, 0, bad))
+        ref = L.gemv_pairs(x2, xs, packed, norms, cb, g, torch.float32)
+        y = L.gemv_pairs(x2, xs, packed, norms, cb, g, torch.float32, config=(8, 1, 0, 0, smallest))
+        assert _rel(y, ref) < 1e-6, bits
 
 
 def test_pair_codebook_values(L):
