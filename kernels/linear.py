@@ -1673,11 +1673,9 @@ def _store_pair_row(out_ptr, acc, m, M, stride_om, rn, N, UT: tl.constexpr = 0):
 
 
 @triton.jit
-def _pair_words(pk_ptr, nrm_ptr, rl, u0, BU: tl.constexpr, NUT: tl.constexpr, NG: tl.constexpr,
-                UPG: tl.constexpr, WPU: tl.constexpr, TUNED: tl.constexpr, EVEN_U: tl.constexpr,
-                UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
-    """Words of units `u0 .. u0 + BU - 1` of rows `rl` `[BN]`, and the float32 group norms of their BU / GRP
-    groups of GRP units (units past the row's end, when the step does not divide it: zero words and norms)."""
+def _pair_tile(rl, u0, BU: tl.constexpr, UT: tl.constexpr = 0):
+    """Rows `rl` `[BN]` and units u0 .. u0 + BU - 1 as the broadcastable axes of a step's `[BU, BN]` tile (UT;
+    else `[BN, BU]`)."""
     uu = u0 + tl.arange(0, BU)
     if UT:
         r2 = rl[None, :]
@@ -1685,6 +1683,16 @@ def _pair_words(pk_ptr, nrm_ptr, rl, u0, BU: tl.constexpr, NUT: tl.constexpr, NG
     else:
         r2 = rl[:, None]
         u2 = uu[None, :]
+    return r2, u2
+
+
+@triton.jit
+def _pair_words(pk_ptr, nrm_ptr, rl, u0, BU: tl.constexpr, NUT: tl.constexpr, NG: tl.constexpr,
+                UPG: tl.constexpr, WPU: tl.constexpr, TUNED: tl.constexpr, EVEN_U: tl.constexpr,
+                UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
+    """Words of units `u0 .. u0 + BU - 1` of rows `rl` `[BN]`, and the float32 group norms of their BU / GRP
+    groups of GRP units (units past the row's end, when the step does not divide it: zero words and norms)."""
+    r2, u2 = _pair_tile(rl, u0, BU, UT)
     unit_off = r2 * NUT + u2
     if EVEN_U:
         w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, r2, NUT)
@@ -1699,13 +1707,7 @@ def _pair_norms(nrm_ptr, rl, u0, BU: tl.constexpr, NUT: tl.constexpr, NG: tl.con
                 EVEN_U: tl.constexpr, UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
     """The float32 group norms of units u0 .. u0 + BU - 1 of rows `rl` (zero past the row's end), one per GRP
     units (`_group_firsts`)."""
-    uu = u0 + tl.arange(0, BU)
-    if UT:
-        r2 = rl[None, :]
-        u2 = uu[:, None]
-    else:
-        r2 = rl[:, None]
-        u2 = uu[None, :]
+    r2, u2 = _pair_tile(rl, u0, BU, UT)
     if EVEN_U:
         nr = tl.load(nrm_ptr + r2 * NG + u2 // UPG)
     else:
