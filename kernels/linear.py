@@ -1920,7 +1920,8 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     one row per entry p of `expert_index` (flat, int): matrix `expert_index[p]` times activation row
     `p // x_div`; entries outside [0, E) give zero rows. `config`: (BN, num_warps[, maxnreg[, prefetch[,
     BU]]]): a maxnreg of 0 sets no cap; prefetch 1 loads each step's words during the step before; BU, the
-    units a row takes per step, defaults to one per lane (32 * num_warps, at most the row)."""
+    units a row takes per step, defaults to one per lane (32 * num_warps, at most the row); a power of two of at
+    least the units of 32 indices (2 at 2 bits, 4 at 4 bits: the kernel adds their chains)."""
     n_levels = codebook.numel()
     m, n, ng = _gemv_shape(x2, norms, experts, expert_index)
     per = lut_unit(n_levels)
