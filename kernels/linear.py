@@ -1733,11 +1733,11 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
                       stride_om, NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr,
                       BU: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr,
                       X_DIV: tl.constexpr, TUNED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                      UT: tl.constexpr = 0):
+                      UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
     """One program per BN weight rows and BM (1, 2 or 4) activation rows: one unit per lane and row per step,
-    decoded once; each activation row's float16 pair chains (`_unit_pair_sums`; those of 32 consecutive indices
-    added in float16 first: two 2-bit or four 4-bit units) scaled by the group norms times that row's group
-    scales into float32 sums.
+    decoded once; each activation row's float16 pair chains (`_unit_pair_sums`; those of GRP consecutive units
+    added in float16 first: `PAIR_CHAIN`) scaled by the group norms times that row's group scales into float32
+    sums.
 
     PREFETCH: each step's words and norms are loaded during the step before (the first step's before the
     loop, and before waiting for the previous kernel: PDL), so that the loads of a program overlap its own
@@ -1752,10 +1752,6 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     NUT: tl.constexpr = NG * UPG
     EVEN_U: tl.constexpr = NUT % BU == 0
-    # the float16 chains of GRP consecutive units (32 indices: one 3-bit unit, two 2-bit, four 4-bit ones) are
-    # summed before they are converted to float32 and scaled, so that the conversion, the scaling and the norm
-    # and scale loads come once per 32 weights at every width
-    GRP: tl.constexpr = 1 if NLEV == 8 else (2 if NLEV == 4 else 4)
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BM
     t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2)
@@ -1910,6 +1906,12 @@ def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
     return 8, 4, 96
 
 
+# The pair GEMV adds the float16 chains of GRP = PAIR_CHAIN / unit consecutive units (one 3-bit unit, two 2-bit,
+# four 4-bit ones) before converting them to float32 and scaling them, so that the conversion, the scaling and the
+# norm and scale loads come once per PAIR_CHAIN weights at every width (`_group_chains`).
+PAIR_CHAIN = 32
+
+
 def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor,
                codebook: torch.Tensor, group_size: int, out_dtype: torch.dtype, config=None, experts: int = 0,
                expert_index: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
@@ -1940,7 +1942,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     if pdl:
         opts["launch_pdl"] = True
     bu = bu or min(32 * warps, next_power_of_2(nut))
-    grp = 32 // per  # (units whose float16 chains the kernel adds: 32 indices)
+    grp = PAIR_CHAIN // per
     if bu < grp or bu & (bu - 1):
         raise ValueError(f"the pair GEMV's units a step must be a power of two of at least {grp} for a "
                          f"{n_levels}-entry codebook, not {bu}")
@@ -1953,7 +1955,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
         x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, m, n, x2.stride(0), xs.stride(0),
         out.stride(0), NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm, USE_ASM=not _interpreting(),
         EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels, signed=True), PDL=pdl, PREFETCH=int(bool(prefetch)),
-        UT=_lanes_first(), num_warps=warps, **opts)
+        UT=_lanes_first(), GRP=grp, num_warps=warps, **opts)
     return out
 
 
