@@ -1908,7 +1908,9 @@ def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
 
 # The pair GEMV adds the float16 chains of GRP = PAIR_CHAIN / unit consecutive units (one 3-bit unit, two 2-bit,
 # four 4-bit ones) before converting them to float32 and scaling them, so that the conversion, the scaling and the
-# norm and scale loads come once per PAIR_CHAIN weights at every width (`_group_chains`).
+# norm and scale loads come once per PAIR_CHAIN weights at every width (`_group_chains`). Groups smaller than
+# PAIR_CHAIN (turboquant-mlx modules: G = 8 to 24 at 2 and 4 bits) take the largest power of two of units that
+# divides a group, since the chains added together share one norm.
 PAIR_CHAIN = 32
 
 
@@ -1922,8 +1924,9 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     one row per entry p of `expert_index` (flat, int): matrix `expert_index[p]` times activation row
     `p // x_div`; entries outside [0, E) give zero rows. `config`: (BN, num_warps[, maxnreg[, prefetch[,
     BU]]]): a maxnreg of 0 sets no cap; prefetch 1 loads each step's words during the step before; BU, the
-    units a row takes per step, defaults to one per lane (32 * num_warps, at most the row); a power of two of at
-    least the units of 32 indices (2 at 2 bits, 4 at 4 bits: the kernel adds their chains)."""
+    units a row takes per step, defaults to one per lane (32 * num_warps, at most the row, at least the units of
+    32 indices); a power of two of at least the units of 32 indices (2 at 2 bits, 4 at 4 bits: the kernel adds
+    their chains)."""
     n_levels = codebook.numel()
     m, n, ng = _gemv_shape(x2, norms, experts, expert_index)
     per = lut_unit(n_levels)
@@ -1941,11 +1944,14 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     pdl = _pdl(x2.device, 2 * x2.shape[1], n_levels if m == 1 and not experts else 0)
     if pdl:
         opts["launch_pdl"] = True
-    bu = bu or min(32 * warps, next_power_of_2(nut))
     grp = PAIR_CHAIN // per
+    while upg % grp:  # a chain group stays within one quantization group (one norm): G below 32 takes fewer units
+        grp //= 2
+    # (at least a chain group: a row of fewer than 32 indices takes one step, its missing units masked off)
+    bu = bu or max(grp, min(32 * warps, next_power_of_2(nut)))
     if bu < grp or bu & (bu - 1):
         raise ValueError(f"the pair GEMV's units a step must be a power of two of at least {grp} for a "
-                         f"{n_levels}-entry codebook, not {bu}")
+                         f"{n_levels}-entry codebook at G = {group_size}, not {bu}")
     out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     if m == 0 or n == 0:
         return out

@@ -357,6 +357,32 @@ def test_pair_gemv_refuses_steps_below_a_chain_group(L):
         assert _rel(y, ref) < 1e-6, bits
 
 
+def test_pair_gemv_groups_below_a_chain(L):
+    """turboquant-mlx modules bring groups smaller than the 32 indices whose float16 chains the pair GEMV adds
+    before scaling them by one norm (2-bit G = 16, 4-bit G = 8, 16 and 24): the chains added together must stay
+    within one group, and rows of fewer than 32 inputs must still run (one step, its missing units masked off).
+    Random codebooks and norms, M = 1 and 2, against the float32 reference product; a step below the chain group
+    that such a group allows is refused by name."""
+    gen = torch.Generator().manual_seed(9)
+    for nl, g, k in ((4, 16, 16), (4, 16, 80), (16, 8, 8), (16, 16, 16), (16, 16, 64), (16, 24, 72)):
+        n = 7
+        idx = torch.randint(0, nl, (n * (k // g), g), generator=gen)
+        packed = codec.pack_indices(idx, nl)
+        norms = torch.rand(n, k // g, generator=gen) + 0.5
+        cb = torch.randn(nl, generator=gen)
+        for m in (1, 2):
+            x_rot = torch.randn(m, k, generator=gen)
+            ref = ops.codebook_matmul(x_rot, packed, norms, cb, g)
+            x2, xs = L.pack_pairs(x_rot, L.lut_unit(nl, g), g)
+            y = L.gemv_pairs(x2, xs, packed, norms, cb, g, torch.float32)
+            assert 1e-5 < _rel(y, ref) < 2e-3, (nl, g, k, m, _rel(y, ref))
+    packed = codec.pack_indices(torch.randint(0, 16, (4, 16), generator=gen), 16)
+    x2, xs = L.pack_pairs(torch.randn(1, 32, generator=gen), 8, 16)
+    with pytest.raises(ValueError, match="power of two of at least 2 .* at G = 16, not 1"):
+        L.gemv_pairs(x2, xs, packed, torch.ones(2, 2), torch.randn(16, generator=gen), 16, torch.float32,
+                     config=(8, 1, 0, 0, 1))
+
+
 def test_pair_codebook_values(L):
     """The codebook values the pair GEMV multiplies are the entries rounded to float16 (relative error below
     2^-11), for the format's codebooks and for arbitrary ones (turboquant-mlx modules carry their own; 16
