@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -463,8 +464,10 @@ def test_cuda_implementation_under_the_triton_interpreter():
 
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
+    # run outside the checkout: `python -c` puts the working folder first on sys.path, where `kernels/` would
+    # shadow Hugging Face's `kernels` package that transformers imports
     result = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], capture_output=True, text=True, env=env,
-                            timeout=900)
+                            timeout=900, cwd=tempfile.gettempdir())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "worst" in result.stdout
 

@@ -25,7 +25,11 @@ def reference_dir(request, tiny_llama_dir, tmp_path_factory):
 
 def _reference_dequantized_model(directory, group_size):
     """A plain float32 model holding the reference package's own dequantization of every packed tensor."""
-    plain = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)  # no quantization_config: plain
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    config.__dict__.pop("quantization_config", None)  # (found from tq_config.json): the plain architecture
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return _reference_dequantize_into(plain, directory, group_size)
 
 

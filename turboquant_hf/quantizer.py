@@ -108,6 +108,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
     # -- before loading ------------------------------------------------------------------------------------------
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        model.__dict__["_turboquant_quantizer"] = self  # read by `loading.check_loaded_keys`
         self.checkpoint_index = ckpt.read_checkpoint_index(checkpoint_files)
         if mlx.is_mlx_checkpoint(self.checkpoint_index):
             self._prepare_mlx_checkpoint(model)
@@ -333,12 +334,12 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
     # -- after loading -------------------------------------------------------------------------------------------
     def _process_model_after_weight_loading(self, model, **kwargs):
+        model.__dict__.pop("_turboquant_quantizer", None)
         if self.mlx_layout is not None:
             self.mlx_layout.load_into(model)
             # the MLX block would describe the saved files wrongly; quantization_config describes them
             model.config.__dict__.pop("quantization", None)
-        if self.conversion_failures:
-            raise ValueError("TurboQuant could not quantize: " + "; ".join(self.conversion_failures.values()))
+        self.raise_conversion_failures()
         for name, module in model.named_modules():
             if isinstance(module, TurboQuantWeight) and module.awaiting_dtype is not None:
                 raise ckpt.CheckpointError(f"checkpoint is missing {name} (needed to quantize it)")
@@ -363,6 +364,10 @@ class TurboQuantHfQuantizer(HfQuantizer):
             p.requires_grad_(False)
         _install_save_hook(model)
         return model
+
+    def raise_conversion_failures(self) -> None:
+        if self.conversion_failures:
+            raise ValueError("TurboQuant could not quantize: " + "; ".join(self.conversion_failures.values()))
 
     def _restore_requested_dtype(self, model) -> None:
         """transformers before `HfQuantizer.get_new_dtype` (5.17) loads every renamed key of a pre-quantized

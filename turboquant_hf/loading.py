@@ -1,0 +1,166 @@
+"""How transformers finds TurboQuant checkpoints, and the check that no load hands back random weights.
+
+transformers builds a quantizer only from the `quantization_config` of the loaded config. Two ways a TurboQuant
+checkpoint can reach the loader without one are closed here:
+
+- the published checkpoints describe themselves in `tq_config.json` only: when a folder or Hub repo has that
+  file and its config.json has no `quantization_config`, the config read by any config class gets the one
+  `tq_config.json` describes;
+- a composite checkpoint (a multimodal config with the language model's config inside) loaded by a class that
+  reads only the inner config (`Qwen3_5MoeForCausalLM` on a `Qwen3_5MoeForConditionalGeneration` folder): the
+  inner config inherits the outer `quantization_config`.
+
+Whatever the entry point, every load of a model is then checked after its tensors are placed: a TurboQuant
+tensor that the model did not take, or a TurboQuant module whose tensors did not arrive, raises
+`CheckpointError` naming the tensors and the class used, instead of leaving freshly initialised weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from . import format as fmt
+from .checkpoint import CheckpointError
+from .config import QUANT_METHOD, TurboQuantConfig
+
+_TQ_SUFFIXES = (fmt.PACKED_SUFFIX, fmt.NORMS_SUFFIX, ".tq_codebook", ".tq_signs")
+_SHOWN = 5
+
+
+def is_turboquant_tensor(name: str) -> bool:
+    return name.endswith(_TQ_SUFFIXES)
+
+
+def _is_turboquant_block(block) -> bool:
+    if isinstance(block, TurboQuantConfig):
+        return True
+    return isinstance(block, dict) and block.get("quant_method") == QUANT_METHOD
+
+
+def _find_tq_config(path, kwargs: dict, commit_hash) -> dict | None:
+    """The `tq_config.json` beside the config of `path` (a folder or a Hub repo id), or None."""
+    subfolder = kwargs.get("subfolder") or ""
+    if os.path.isdir(path):
+        candidate = os.path.join(path, subfolder, fmt.TQ_CONFIG_NAME)
+    elif os.path.isfile(path) or kwargs.get("gguf_file"):
+        return None
+    else:
+        from transformers.utils.hub import cached_file
+
+        candidate = cached_file(
+            path, fmt.TQ_CONFIG_NAME, subfolder=subfolder, cache_dir=kwargs.get("cache_dir"),
+            revision=kwargs.get("revision"), token=kwargs.get("token"),
+            local_files_only=kwargs.get("local_files_only", False), _commit_hash=commit_hash,
+            _raise_exceptions_for_gated_repo=False, _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+    if not candidate or not os.path.isfile(candidate):
+        return None
+    try:
+        with open(candidate, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{candidate}: unreadable {fmt.TQ_CONFIG_NAME}: {e}") from e
+
+
+def complete_config_dict(cls, path, config_dict: dict, kwargs: dict) -> dict:
+    """Give a config dict read from `path` by config class `cls` the TurboQuant `quantization_config` its
+    checkpoint needs (see the module docstring). Returns the dict, changed in place."""
+    if not isinstance(config_dict, dict) or not config_dict:
+        return config_dict
+    if "quantization_config" not in config_dict and not isinstance(path, dict):
+        tq = _find_tq_config(os.fspath(path), kwargs, config_dict.get("_commit_hash"))
+        if tq is not None:
+            try:
+                config_dict["quantization_config"] = TurboQuantConfig.from_tq_config(tq).to_dict()
+            except ValueError as e:
+                raise CheckpointError(f"{path}: {fmt.TQ_CONFIG_NAME} describes no checkpoint this version can "
+                                      f"load: {e}") from e
+    block = config_dict.get("quantization_config")
+    if _is_turboquant_block(block):
+        inner = []
+        key = getattr(cls, "base_config_key", "")
+        if key and isinstance(config_dict.get(key), dict):
+            inner.append(config_dict[key])
+        model_type = getattr(cls, "model_type", "")
+        if model_type and config_dict.get("model_type") != model_type:
+            inner += [v for v in config_dict.values() if isinstance(v, dict) and v.get("model_type") == model_type]
+        for sub in inner:
+            sub.setdefault("quantization_config", dict(block) if isinstance(block, dict) else block.to_dict())
+    return config_dict
+
+
+def check_loaded_keys(model, loading_info) -> None:
+    """Raise if a load left TurboQuant tensors unused or TurboQuant modules without their tensors."""
+    quantizer = model.__dict__.get("_turboquant_quantizer")
+    unexpected = sorted(k for k in loading_info.unexpected_keys if is_turboquant_tensor(k))
+    source = getattr(model.config, "_name_or_path", None) or getattr(model.config, "name_or_path", None)
+    where = f"{type(model).__name__}.from_pretrained({source!r})" if source else type(model).__name__
+    if unexpected and quantizer is None:
+        raise CheckpointError(
+            f"{where}: the checkpoint holds TurboQuant tensors ({_first(unexpected)}) but was loaded without the "
+            f"turboquant quantizer, which would leave random weights in their place. Its config.json has no "
+            f"turboquant quantization_config and no {fmt.TQ_CONFIG_NAME} describes it: load it with "
+            "quantization_config=TurboQuantConfig(bits=..., group_size=...) as it was written"
+        )
+    if quantizer is None:
+        return
+    quantizer.raise_conversion_failures()
+    if unexpected:
+        raise CheckpointError(
+            f"{where}: {len(unexpected)} TurboQuant tensor(s) match no quantized layer of this class "
+            f"({_first(unexpected)}); the checkpoint does not belong to {type(model).__name__} or was renamed"
+        )
+    owners = quantized_module_names(model)
+    missing = sorted(k for k in loading_info.missing_keys if _owned_by(k, owners))
+    if missing and not quantizer.pre_quantized:  # quantizing on the fly: name the source tensors
+        missing = sorted({k[: -len(s)] if k.endswith(s) else k for k in missing for s in _TQ_SUFFIXES
+                          if k.endswith(s)} | {k for k in missing if not is_turboquant_tensor(k)})
+    if missing:
+        raise CheckpointError(
+            f"{where}: the checkpoint is missing {len(missing)} tensor(s) of quantized layers ({_first(missing)})"
+        )
+
+
+def quantized_module_names(model) -> set[str]:
+    from .modules import TurboQuantExperts, TurboQuantLinear
+
+    return {n for n, m in model.named_modules() if isinstance(m, (TurboQuantLinear, TurboQuantExperts))}
+
+
+def _owned_by(key: str, owners: set[str]) -> bool:
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in owners for i in range(1, len(parts)))
+
+
+def _first(names) -> str:
+    names = list(names)
+    more = f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
+def install() -> None:
+    """Hook the two places of transformers described in the module docstring (idempotent)."""
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.modeling_utils import PreTrainedModel
+
+    get_config_dict = PreTrainedConfig.__dict__["get_config_dict"].__func__
+    if not getattr(get_config_dict, "_turboquant", False):
+        def get_config_dict_with_turboquant(cls, pretrained_model_name_or_path, **kwargs):
+            config_dict, rest = get_config_dict(cls, pretrained_model_name_or_path, **kwargs)
+            return complete_config_dict(cls, pretrained_model_name_or_path, config_dict, kwargs), rest
+
+        get_config_dict_with_turboquant._turboquant = True
+        get_config_dict_with_turboquant.__doc__ = get_config_dict.__doc__
+        PreTrainedConfig.get_config_dict = classmethod(get_config_dict_with_turboquant)
+
+    adjust = PreTrainedModel._adjust_missing_and_unexpected_keys
+    if not getattr(adjust, "_turboquant", False):
+        def adjust_and_check(self, loading_info):
+            adjust(self, loading_info)
+            check_loaded_keys(self, loading_info)
+
+        adjust_and_check._turboquant = True
+        adjust_and_check.__doc__ = adjust.__doc__
+        PreTrainedModel._adjust_missing_and_unexpected_keys = adjust_and_check
