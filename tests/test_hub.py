@@ -340,3 +340,40 @@ def test_save_pretrained_push_to_hub_keeps_our_card(hub_in_process, tiny_llama_d
     assert GENERIC not in readme and "2-bit" in readme and 'from_pretrained("tester/tiny-tq2-saved"' in readme
     assert files["model.safetensors"] == (tmp_path / "tiny-tq2" / "model.safetensors").read_bytes()
     assert (tmp_path / "tiny-tq2" / "README.md").read_text() == readme
+
+
+def test_tq_config_only_repo_loads_by_id(hub_in_process, hub_env, tiny_llama_dir, tmp_path):
+    """A Hub repo in the published form (tq_config.json, no quantization_config in config.json) loads by repo id
+    with no arguments in a fresh process, through from_pretrained and pipeline, to the saved model's logits."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from turboquant_hf import TurboQuantConfig
+
+    folder = tmp_path / "published"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=3))
+    model.save_pretrained(folder, model_card=False)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in os.listdir(tiny_llama_dir):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(tiny_llama_dir, name), folder)
+    ids = [[1, 5, 9, 17, 33, 65, 129, 200, 7, 3]]
+    with torch.no_grad():
+        save_file({"logits": model(torch.tensor(ids)).logits.contiguous()}, str(tmp_path / "expected.safetensors"))
+    api = _api(hub_in_process)
+    api.create_repo("tester/published-form", exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id="tester/published-form")
+    out = run_python(f"""
+        import torch, turboquant_hf
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM, pipeline
+        expected = load_file({str(tmp_path / "expected.safetensors")!r})["logits"]
+        for model in (AutoModelForCausalLM.from_pretrained("tester/published-form"),
+                      pipeline("text-generation", model="tester/published-form").model):
+            with torch.no_grad():
+                assert torch.equal(model(torch.tensor({ids})).logits, expected)
+            print(type(model.model.layers[0].mlp.down_proj).__name__)
+    """, hub_env)
+    assert out.split() == ["TurboQuantLinear", "TurboQuantLinear"]
