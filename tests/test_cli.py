@@ -227,6 +227,70 @@ def test_plan_per_expert_tensors(tmp_path, capsys):
     assert plan["full_precision_tensors"] == 2
 
 
+@pytest.fixture(scope="module")
+def tiny_tq_dirs(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama quantized by from_pretrained and saved: {name: (folder, TurboQuantConfig)}, uniform 3-bit and
+    3-bit with down_proj at 4 bits (group size 64)."""
+    from transformers import AutoModelForCausalLM
+
+    from turboquant_hf import TurboQuantConfig
+
+    configs = {"tq3": TurboQuantConfig(bits=3, group_size=64),
+               "tq3-down4": TurboQuantConfig(bits=3, group_size=64, sensitive_patterns=["down_proj"], sensitive_bits=4)}
+    out = {}
+    for name, cfg in configs.items():
+        d = str(tmp_path_factory.mktemp(name))
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg).save_pretrained(d)
+        out[name] = (d, cfg)
+    return out
+
+
+def _stored_tensor_bytes(directory: str) -> dict:
+    """{tensor name: bytes} from the safetensors headers of `directory`, read here byte by byte (data_offsets)."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(directory, name), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            out.update({k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()})
+    return out
+
+
+@pytest.mark.parametrize("name", ["tq3", "tq3-down4"])
+def test_plan_on_an_already_quantized_folder(name, tiny_tq_dirs, capsys):
+    """`plan` on a TurboQuant checkpoint says so and plans what it holds: the stored bytes of every tensor (packed
+    uint8 and norms, the rest at its dtype) and the tier each packed tensor was written at; --bits does not apply."""
+    d, cfg = tiny_tq_dirs[name]
+    stored = _stored_tensor_bytes(d)
+    packed = [k[: -len(".tq_packed")] for k in stored if k.endswith(".tq_packed")]
+    assert packed
+    tiers: dict = {}  # bits -> [tensors, bytes], from the config the folder was written with
+    for key in packed:
+        t = tiers.setdefault(cfg.bits_for(key[: -len(".weight")]), [0, 0])
+        t[0] += 1
+        t[1] += stored[key + ".tq_packed"] + stored[key + ".tq_norms"]
+    if name == "tq3-down4":
+        assert set(tiers) == {3, 4}
+    assert cli.main(["plan", d, "--bits", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weights_bytes"] == sum(stored.values())  # exactly the tensor bytes on disk
+    assert {t["bits"]: [t["tensors"], t["bytes"]] for t in plan["tiers"]} == tiers
+    assert plan["already_quantized"] is True
+    assert plan["full_precision_tensors"] == len(stored) - 2 * len(packed)
+    assert plan["full_precision_bytes"] == sum(stored.values()) - sum(b for _, b in tiers.values())
+    assert plan["group_size"] == 64 and plan["quantization_config"]["quant_method"] == "turboquant"
+    assert plan["total_bytes"] == plan["weights_bytes"] + plan["kv_cache_bytes"]
+    assert cli.main(["plan", d, "--bits", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "already quantized with TurboQuant" in text and "--bits not applied" in text
+    assert f"{sum(stored.values()):,} bytes as stored" in text
+    rows = {line.split()[0]: int(line.split()[1]) for line in text.splitlines() if line.split()[:1]
+            and line.split()[0].endswith("-bit")}
+    assert rows == {f"{bits}-bit": n for bits, (n, _) in tiers.items()}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 def test_quantize_writes_a_complete_folder(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "tiny-tq3"
@@ -331,6 +395,64 @@ def test_console_script(tmp_path):
                           timeout=120)
     assert proc.returncode == 2
     assert "plan: error:" in proc.stderr and "no .safetensors" in proc.stderr
+
+
+# The CLI in a fresh process, with huggingface_hub's retry backoff (1 + 2 + 4 + 8 + 8 s for a refused connection)
+# skipped: the retries still happen, without the waiting.
+_CLI_WITHOUT_BACKOFF = """
+import sys
+from huggingface_hub.utils import _http
+_http.time.sleep = lambda seconds: None
+from turboquant_hf.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def dead_hub(tmp_path_factory):
+    """(endpoint, environment) of a Hub that refuses connections: the local Hub server, started and stopped."""
+    from hub_server import LocalHub
+
+    hub = LocalHub().start()
+    url = hub.url
+    hub.stop()
+    env = dict(os.environ, HF_ENDPOINT=url, HF_TOKEN="hf_unused", HF_HUB_CACHE=str(tmp_path_factory.mktemp("cache")),
+               HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5", TOKENIZERS_PARALLELISM="false")
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(key, None)
+    return url, env
+
+
+@pytest.mark.parametrize("command", ["push", "plan", "quantize", "quantize --push-to-hub", "eval"])
+def test_refused_connection_exits_3(command, dead_hub, tiny_tq_dirs, tiny_llama_dir, tmp_path):
+    """Every command that talks to the Hub exits 3 (the Hub failed) when the endpoint refuses connections, and
+    says which endpoint. `plan REPO` used to exit 2: hf_hub_download reports the refused connection as
+    LocalEntryNotFoundError, an EntryNotFoundError, which read as a missing file."""
+    url, env = dead_hub
+    tq_dir = tiny_tq_dirs["tq3"][0]
+    text = tmp_path / "words.txt"
+    text.write_text("the a of to and in is it you that he was for on are with as his they be " * 4)
+    argv = {
+        "push": ["push", tq_dir, "tester/tiny-tq3"],
+        "plan": ["plan", "tester/tiny-llama"],
+        "quantize": ["quantize", "tester/tiny-llama", "--out", str(tmp_path / "out")],
+        "quantize --push-to-hub": ["quantize", tiny_llama_dir, "--out", str(tmp_path / "out"), "--push-to-hub",
+                                   "tester/tiny-tq3"],
+        "eval": ["eval", tq_dir, "--base", "tester/tiny-llama", "--text", str(text)],
+    }[command]
+    proc = subprocess.run([sys.executable, "-c", _CLI_WITHOUT_BACKOFF, *argv], env=env, capture_output=True,
+                          text=True, cwd=str(tmp_path), timeout=120)
+    assert proc.returncode == cli.EXIT_HUB, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith(f"turboquant-hf {argv[0]}: error:")]
+    assert len(error) == 1, proc.stderr[-3000:]
+    assert f"the connection to {url} failed" in error[0] and "Connection refused" in error[0], error[0]
+    assert "Traceback" not in proc.stderr
+    if command == "quantize":
+        assert not (tmp_path / "out").exists()
+    if command == "quantize --push-to-hub":  # quantized and saved; the push is what failed
+        assert "creating the repository tester/tiny-tq3 failed" in error[0]
+        assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
 def test_eval_writes_its_numbers_into_the_card(tiny_llama_dir, tmp_path, capsys):

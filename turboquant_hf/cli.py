@@ -14,6 +14,8 @@ import tempfile
 import time
 from typing import Any
 
+from . import checkpoint as ckpt
+
 EXIT_OK = 0
 EXIT_FAILURE = 1  # something unexpected went wrong (a bug, or a model transformers cannot load)
 EXIT_USAGE = 2  # bad arguments or bad input (not a checkpoint, unknown recipe, missing files)
@@ -70,31 +72,71 @@ def _hub_api():
 
 def _hub_error(exc: BaseException, doing: str, retry: str) -> CliError:
     """A clear message for a failed Hub call: what failed, why, and what to retry."""
-    status = getattr(getattr(exc, "response", None), "status_code", None)
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    network = _network_failure(exc)
+    cause = network if network is not None else exc
+    status = _status_code(exc)
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    if status in (401, 403):
+    if network is None and status in (401, 403):
         why = (f"the Hub at {endpoint} refused the credentials ({status}); set HF_TOKEN to a token with write "
                "access (or run `hf auth login`)")
-    elif status is not None and status >= 500:
+    elif network is None and status is not None and status >= 500:
         why = f"the Hub at {endpoint} answered {status} (a server error)"
-    elif status is not None:
+    elif network is None and status is not None:
         server = str(exc).strip().splitlines()
         why = f"the Hub at {endpoint} answered {status}: {server[-1] if server else exc}"
+    elif isinstance(cause, OfflineModeIsEnabled):
+        why = f"offline mode is on (HF_HUB_OFFLINE), so {endpoint} was not contacted"
     else:
-        why = f"the connection to {endpoint} failed ({type(exc).__name__}: {str(exc).strip() or 'no answer'})"
+        why = f"the connection to {endpoint} failed ({type(cause).__name__}: {str(cause).strip() or 'no answer'})"
     return CliError(f"{doing} failed: {why}. {retry}", EXIT_HUB)
 
 
-def _is_hub_exception(exc: BaseException) -> bool:
-    """An HTTP error from the Hub, or a network failure from the HTTP client huggingface_hub uses (httpx, its
-    vendored fork, or requests, depending on the version)."""
+# Top-level packages of the HTTP clients huggingface_hub uses (httpx, its vendored fork, or requests, depending on
+# the version) and of their transports.
+_HTTP_CLIENT_PACKAGES = ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3", "h11", "h2")
+
+
+def _status_code(exc: BaseException) -> int | None:
+    """The HTTP status of the answer `exc` carries, None when it carries none (httpx raises RuntimeError for the
+    `request`/`response` of an exception built without them)."""
+    try:
+        return getattr(getattr(exc, "response", None), "status_code", None)
+    except Exception:
+        return None
+
+
+def _network_failure(exc: BaseException) -> BaseException | None:
+    """The network failure (refused or dropped connection, timeout, DNS, offline mode) behind `exc`, or None.
+
+    huggingface_hub and transformers wrap a refused connection in errors that do not say so: `hf_hub_download`
+    raises LocalEntryNotFoundError (an EntryNotFoundError) from httpx's ConnectError, `from_pretrained` an
+    OSError from that. So the search follows `__cause__` (`raise ... from`), and `__context__` of an OSError (an
+    I/O error re-raised without `from`), not that of other exceptions: a bug in a handler that ran after a
+    network failure is still a bug. An HTTP error (HfHubHTTPError, or one that carries an answer) is not a network
+    failure itself."""
     from huggingface_hub.errors import HfHubHTTPError
 
-    if isinstance(exc, (HfHubHTTPError, ConnectionError, TimeoutError)):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if not isinstance(exc, HfHubHTTPError) and _status_code(exc) is None:
+            if isinstance(exc, (ConnectionError, TimeoutError)):
+                return exc
+            if any(c.__module__.split(".")[0] in _HTTP_CLIENT_PACKAGES for c in type(exc).__mro__):
+                return exc
+        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__ if isinstance(exc, OSError) else None
+    return None
+
+
+def _is_hub_exception(exc: BaseException) -> bool:
+    """An HTTP error answered by the Hub, or a network failure behind `exc` (see `_network_failure`)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError) or _network_failure(exc) is not None:
         return True
-    if any(c.__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests", "urllib3")
-           for c in type(exc).__mro__):
-        return True
+    # an OSError that names a failed connection without chaining the exception that caused it
     return isinstance(exc, OSError) and "connect" in str(exc).lower()
 
 
@@ -289,7 +331,8 @@ def cmd_quantize(args, argv) -> int:
             _evaluate(tmp, args.src, args.eval, args.max_tokens, args.window, write=True)
             bar.update()
         bar.set_postfix_str("card")
-        tq_card.write_card(tmp, base_model=args.base_model, repo_id=args.push_to_hub, name=os.path.basename(out))
+        tq_card.write_card(tmp, base_model=args.base_model, repo_id=args.push_to_hub, name=os.path.basename(out),
+                           source_dir=args.src if os.path.isdir(args.src) else None)
         bar.update()
         if os.path.exists(out):  # --force
             shutil.rmtree(out)
@@ -415,7 +458,6 @@ _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 def _plan_sources(src: str):
     """(config dict, {tensor name: (dtype, shape)}, where) from a local folder or a Hub repo, headers only."""
     from . import card as tq_card
-    from . import checkpoint as ckpt
 
     if os.path.isdir(src):
         cfg_path = os.path.join(src, "config.json")
@@ -450,9 +492,11 @@ def _plan_sources(src: str):
         meta = api.get_safetensors_metadata(src)
     except NotASafetensorsRepoError as e:
         raise CliError(f"plan: {src} has no safetensors weights ({e})") from e
-    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
-        raise CliError(f"plan: {step} failed: {type(e).__name__} ({str(e).strip().splitlines()[0]})") from e
     except Exception as e:
+        # (a refused connection reaches here as LocalEntryNotFoundError, an EntryNotFoundError: not a missing file)
+        if _network_failure(e) is None and isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError,
+                                                          EntryNotFoundError)):
+            raise CliError(f"plan: {step} failed: {type(e).__name__} ({str(e).strip().splitlines()[0]})") from e
         if _is_hub_exception(e):
             raise _hub_error(e, step, f"Retry `turboquant-hf plan {src}`.") from e
         raise
@@ -501,8 +545,7 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
     Sizes are those of the checkpoint (and of the model in CPU memory); `*gpu_bytes` are those on a CUDA device,
     where ternary weights take the 2-bit runtime layout unless TURBOQUANT_COMPACT_TERNARY is set
     (`turboquant_hf.layout`)."""
-    from . import card as tq_card
-    from . import checkpoint as ckpt
+
     from . import format as fmt
     from . import layout
     from .config import DEFAULT_MODULES_TO_NOT_CONVERT
@@ -532,36 +575,166 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
         t["bytes"] += packed
         t["gpu_bytes"] += groups * (on_gpu + _norm_bytes(n_levels))
         t["base_bytes"] += nbytes
+    plan = _plan_weights(tiers, full_bytes, full_count, base_bytes)
+    plan = {"quantization_config": cfg.to_dict(), "already_quantized": False, **plan}
+    return _plan_runtime(plan, config, kv_dtype, context, batch)
+
+
+def _plan_weights(tiers: dict, full_bytes: int, full_count: int, base_bytes: int) -> dict[str, Any]:
+    """The weights part of a plan from its tiers (`{bits: {"bits", "tensors", "params", "bytes", "gpu_bytes",
+    "base_bytes"}}`) and its full-precision tensors."""
+    from . import card as tq_card
+
     q_bytes = sum(t["bytes"] for t in tiers.values())
     q_gpu = sum(t["gpu_bytes"] for t in tiers.values())
     q_params = sum(t["params"] for t in tiers.values())
-    weights = q_bytes + full_bytes
+    tier_list = [dict(t, label=tq_card.bits_label(t["bits"]), bits_per_weight=round(8 * t["bytes"] / t["params"], 3))
+                 for _, t in sorted(tiers.items(), key=lambda kv_: -kv_[0])]
+    return {
+        "tiers": tier_list, "quantized_bytes": q_bytes, "quantized_params": q_params,
+        "full_precision_bytes": full_bytes, "full_precision_tensors": full_count,
+        "weights_bytes": q_bytes + full_bytes, "weights_gpu_bytes": q_gpu + full_bytes, "base_weights_bytes": base_bytes,
+        "bits_per_weight": round(8 * q_bytes / q_params, 3) if q_params else None,
+    }
+
+
+def _plan_runtime(plan: dict, config: dict, kv_dtype: str, context: int | None, batch: int) -> dict[str, Any]:
+    """`plan` (its weights part) with the KV cache, the recurrent state and the totals added."""
+    from . import card as tq_card
+
     kv = tq_card.kv_cache_per_token(config, _DTYPE_BYTES[kv_dtype])
     rec = tq_card.recurrent_state_bytes(config, _DTYPE_BYTES[kv_dtype])
     tc = tq_card.text_config(config)
     context = context or int(tc.get("max_position_embeddings") or 4096)
     kv_total = kv["bytes"] * context * batch
-    total = weights + kv_total + rec["bytes"] * batch
-    gpu_total = total - q_bytes + q_gpu
-    tier_list = [dict(t, label=tq_card.bits_label(t["bits"]), bits_per_weight=round(8 * t["bytes"] / t["params"], 3))
-                 for _, t in sorted(tiers.items(), key=lambda kv_: -kv_[0])]
-    return {
-        "quantization_config": cfg.to_dict(), "tiers": tier_list, "quantized_bytes": q_bytes,
-        "quantized_params": q_params, "full_precision_bytes": full_bytes, "full_precision_tensors": full_count,
-        "weights_bytes": weights, "weights_gpu_bytes": q_gpu + full_bytes, "base_weights_bytes": base_bytes,
-        "bits_per_weight": round(8 * q_bytes / q_params, 3) if q_params else None,
-        "kv_dtype": kv_dtype, "kv_cache_bytes_per_token": kv["bytes"], "kv_cache": kv,
-        "recurrent_state_bytes": rec["bytes"], "recurrent_state": rec, "context": context, "batch": batch,
-        "kv_cache_bytes": kv_total, "total_bytes": total, "total_gpu_bytes": gpu_total,
-    }
+    total = plan["weights_bytes"] + kv_total + rec["bytes"] * batch
+    return dict(
+        plan, kv_dtype=kv_dtype, kv_cache_bytes_per_token=kv["bytes"], kv_cache=kv, recurrent_state_bytes=rec["bytes"],
+        recurrent_state=rec, context=context, batch=batch, kv_cache_bytes=kv_total, total_bytes=total,
+        total_gpu_bytes=total - plan["weights_bytes"] + plan["weights_gpu_bytes"])
+
+
+def _stored_quantization_config(config: dict, tq_config: dict | None) -> dict:
+    """The TurboQuant quantization_config a checkpoint declares: config.json's (or its text_config's), else
+    tq_config.json."""
+    from . import card as tq_card
+
+    for cfg in (config, tq_card.text_config(config)):
+        qc = cfg.get("quantization_config")
+        if isinstance(qc, dict) and qc.get("quant_method") == "turboquant":
+            return qc
+    return {k: v for k, v in (tq_config or {}).items() if k != "orig_in_dims"}  # (one entry per padded layer)
+
+
+def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = None, kv_dtype: str = "bf16",
+                       context: int | None = None, batch: int = 1) -> dict[str, Any]:
+    """The memory plan of a checkpoint that is already TurboQuant-quantized, as it is stored: every tensor at its
+    stored bytes (packed uint8 and norms for the quantized weights, the others at their own dtype), each quantized
+    weight in the tier its packed geometry says (`format.levels_from_geometry`), KV cache and state as
+    `plan_memory`. `tensors` is `{name: (safetensors dtype, shape)}`; `tq_config` the checkpoint's tq_config.json
+    (its `orig_in_dims` give the unpadded width of padded layers; without it the padded width counts)."""
+    from . import card as tq_card
+
+    from . import format as fmt
+    from . import layout
+
+    qc = _stored_quantization_config(config, tq_config)
+    group_size = int(qc.get("group_size") or (tq_config or {}).get("group_size") or 128)
+    orig_in = (tq_config or {}).get("orig_in_dims") or {}
+    tc = tq_card.text_config(config)
+    base_dtype = str(tc.get("dtype") or tc.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+                     or "bfloat16").replace("torch.", "")
+    base_dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(base_dtype, 2)
+    index = {name: {"dtype": dtype, "shape": tuple(shape)} for name, (dtype, shape) in tensors.items()}
+
+    def nbytes(name: str) -> int:
+        dtype = index[name]["dtype"]
+        if dtype not in ckpt._DTYPE_BYTES:
+            raise CliError(f"plan: tensor {name} has the unknown safetensors dtype {dtype}")
+        return ckpt._DTYPE_BYTES[dtype] * math.prod(index[name]["shape"])
+
+    tiers: dict[Any, dict] = {}
+    quantized_names: set[str] = set()
+    base_bytes = 0
+    for key in ckpt.packed_weight_keys(index):
+        norms = index.get(key + fmt.NORMS_SUFFIX)
+        if norms is None or len(norms["shape"]) != 2:
+            raise CliError(f"plan: {key}{fmt.PACKED_SUFFIX} has no {fmt.NORMS_SUFFIX} of shape (rows, groups) beside "
+                           f"it (found {norms['shape'] if norms else 'none'})")
+        rows, n_groups = norms["shape"]
+        names = [key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX]
+        try:
+            if key + ".tq_codebook" in index and key + ".tq_signs" in index:
+                # whole-row Hadamard modules (from turboquant-mlx): their own codebook, signs and group size
+                in_features = index[key + ".tq_signs"]["shape"][0]
+                n_levels, g, _ = ckpt.check_hadamard_tensor(index, key, rows, in_features)
+                names += [key + ".tq_codebook", key + ".tq_signs"]
+            else:
+                module = key[: -len(".weight")] if key.endswith(".weight") else key
+                g = group_size
+                in_features = orig_in.get(key) or orig_in.get(module) or n_groups * g
+                n_levels, _ = ckpt.check_packed_tensor(index, key, rows, in_features, g)
+        except ckpt.CheckpointError as e:
+            raise CliError(f"plan: {e}") from e
+        bits = fmt.bits_for_levels(n_levels)
+        stored = sum(nbytes(n) for n in names)
+        # a CUDA device holds the packed codes in the runtime layout where one exists (ternary: 2-bit codes)
+        gpu_extra = rows * n_groups * (layout.gpu_bytes_per_group(n_levels, g) - fmt.bytes_per_group(n_levels, g))
+        t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
+                                    "base_bytes": 0})
+        t["tensors"] += 1
+        t["params"] += rows * in_features
+        t["bytes"] += stored
+        t["gpu_bytes"] += stored + gpu_extra
+        t["base_bytes"] += rows * in_features * base_dtype_bytes
+        base_bytes += rows * in_features * base_dtype_bytes
+        quantized_names.update(names)
+    full = [n for n in index if n not in quantized_names]
+    full_bytes = sum(nbytes(n) for n in full)
+    plan = _plan_weights(tiers, full_bytes, len(full), base_bytes + full_bytes)
+    plan = {"quantization_config": qc, "already_quantized": True, "group_size": group_size, **plan}
+    return _plan_runtime(plan, config, kv_dtype, context, batch)
+
+
+def _plan_tq_config(src: str) -> dict | None:
+    """tq_config.json of a local folder or a Hub repo, None where there is none."""
+
+    from . import format as fmt
+
+    if os.path.isdir(src):
+        try:
+            return ckpt.read_tq_config(src)
+        except ValueError as e:
+            raise CliError(f"plan: {os.path.join(src, fmt.TQ_CONFIG_NAME)}: not JSON: {e}") from e
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    step = f"reading {fmt.TQ_CONFIG_NAME} of {src}"
+    try:
+        path = hf_hub_download(src, fmt.TQ_CONFIG_NAME, endpoint=os.environ.get("HF_ENDPOINT") or None)
+    except Exception as e:
+        if isinstance(e, EntryNotFoundError) and _network_failure(e) is None:
+            return None  # optional: config.json's quantization_config is enough
+        if _is_hub_exception(e):
+            raise _hub_error(e, step, f"Retry `turboquant-hf plan {src}`.") from e
+        raise
+    with open(path) as f:
+        return json.load(f)
 
 
 def cmd_plan(args, argv) -> int:
     from . import card as tq_card
+    from . import format as fmt
 
     cfg, recipe = _quant_config(args)
     config, tensors, where = _plan_sources(args.src)
-    plan = plan_memory(config, tensors, cfg, args.kv_dtype, args.context, args.batch)
+    # packed tensors in the headers: the checkpoint is quantized already, and is planned as it is stored
+    stored = any(name.endswith(fmt.PACKED_SUFFIX) for name in tensors)
+    if stored:
+        plan = plan_stored_memory(config, tensors, _plan_tq_config(args.src), args.kv_dtype, args.context, args.batch)
+        recipe = None
+    else:
+        plan = plan_memory(config, tensors, cfg, args.kv_dtype, args.context, args.batch)
     plan["source"] = where
     plan["recipe"] = recipe
     h = tq_card.human_bytes
@@ -579,14 +752,24 @@ def cmd_plan(args, argv) -> int:
             limit = int(tq_card.text_config(config).get("max_position_embeddings") or 0)
             plan[f"max_context_{key}"] = min(longest, limit) if limit else longest
             budget_ok = budget_ok and fits
-    name = recipe or f"{cfg.bits}-bit"
-    lines = [f"{where}: {name}, group size {cfg.group_size}", "",
-             f"{'tier':<22}{'tensors':>9}{'weights':>10}{'size':>12}{'bits/weight':>13}"]
+    if stored:
+        held = " and ".join(t["label"] for t in plan["tiers"])
+        lines = [f"{where}: already quantized with TurboQuant ({held}, group size {plan['group_size']}); planned as "
+                 "stored, from its safetensors headers"]
+        ignored = [flag for flag, value in (("--recipe", args.recipe), ("--config", args.config), ("--bits", args.bits),
+                                            ("--group-size", args.group_size)) if value is not None]
+        if ignored:
+            lines.append(f"({', '.join(ignored)} not applied: the weights are quantized already)")
+    else:
+        lines = [f"{where}: {recipe or f'{cfg.bits}-bit'}, group size {cfg.group_size}"]
+    lines += ["", f"{'tier':<22}{'tensors':>9}{'weights':>10}{'size':>12}{'bits/weight':>13}"]
     for t in plan["tiers"]:
         lines.append(f"{t['label']:<22}{t['tensors']:>9}{tq_card.human_count(t['params']):>10}{h(t['bytes']):>12}"
                      f"{t['bits_per_weight']:>13}")
     lines.append(f"{'full precision':<22}{plan['full_precision_tensors']:>9}{'':>10}{h(plan['full_precision_bytes']):>12}")
-    lines.append(f"{'weights':<22}{'':>19}{h(plan['weights_bytes']):>12}   (base {h(plan['base_weights_bytes'])})")
+    lines.append(f"{'weights':<22}{'':>19}{h(plan['weights_bytes']):>12}   "
+                 + (f"({plan['weights_bytes']:,} bytes as stored; base about {h(plan['base_weights_bytes'])})" if stored
+                    else f"(base {h(plan['base_weights_bytes'])})"))
     if plan["weights_gpu_bytes"] != plan["weights_bytes"]:
         lines.append(f"{'weights on a GPU':<22}{'':>19}{h(plan['weights_gpu_bytes']):>12}   (ternary as 2-bit codes, "
                      "the faster kernels; TURBOQUANT_COMPACT_TERNARY=1 keeps the size above)")
@@ -648,7 +831,7 @@ def _evaluate(directory: str, base: str, text_path: str, max_tokens: int, window
     report = compare_log_probs(logprobs["base"], logprobs["quantized"], ids, window)
     result = dict(report.as_dict(), text=os.path.basename(text_path),
                   text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), max_tokens=max_tokens,
-                  window=window, dtype="float32", base=base,
+                  window=window, dtype="float32", base=ckpt.public_source(base),
                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if write:
         path = os.path.join(directory, tq_card.EVAL_NAME)
@@ -713,7 +896,7 @@ def cmd_convert(args, argv) -> int:
         except Exception as e:  # a checkpoint without a loadable tokenizer still converts
             _say(args, f"(tokenizer not copied: {e})")
         with open(os.path.join(tmp, "turboquant_convert.json"), "w") as f:
-            json.dump({"source": os.path.abspath(args.src), "to": args.to, **report}, f, indent=2)
+            json.dump({"source": ckpt.public_source(args.src), "to": args.to, **report}, f, indent=2)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -821,7 +1004,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Read config.json and the safetensors headers of SRC (a local folder, or a Hub "
                                    "repo: only the first bytes of each file are fetched) and project the quantized "
                                    "weights per tier (exact), the KV cache per token of the full-attention layers, "
-                                   "the constant state of linear-attention layers, and whether it fits a budget.")
+                                   "the constant state of linear-attention layers, and whether it fits a budget. "
+                                   "A checkpoint already quantized with TurboQuant is planned as it is stored: its "
+                                   "bytes and its tiers as written (--recipe, --config, --bits do not apply).")
     p.add_argument("src", help="a local folder or a Hub repo id")
     _add_recipe_args(p)
     p.add_argument("--context", type=int, help="tokens of context to plan for (default: max_position_embeddings)")
