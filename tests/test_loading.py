@@ -205,3 +205,15 @@ def test_qwen_checkpoint_into_llama_class_named(qwen_sources, tmp_path):
         with pytest.raises(CheckpointError, match=r"linear_attn\.\w+\.weight.*LlamaForCausalLM|LlamaForCausalLM.*"
                                                   r"linear_attn"):
             LlamaForCausalLM.from_pretrained(directory)
+
+
+def test_documented_flow_save_then_pipeline(tiny_llama_dir, tmp_path):
+    """The README's flow as written: quantize, save_pretrained, pipeline(model=folder). The tokenizer of the
+    source folder is saved beside the model."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=3))
+    model.save_pretrained(tmp_path / "my-model-tq3")
+    assert os.path.isfile(tmp_path / "my-model-tq3" / "tokenizer.json")
+    generator = pipeline("text-generation", model=str(tmp_path / "my-model-tq3"))
+    out = generator("the a of", max_new_tokens=4, do_sample=False)
+    assert out[0]["generated_text"].startswith("the a of")
+    assert torch.equal(_logits(generator.model), _logits(model))

@@ -29,7 +29,6 @@ TEMPLATE_NAME = "README.md.jinja"
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1,
                 "float8_e4m3fn": 1}
 _COPIED_FROM_BASE = ("license", "license_name", "license_link", "language")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class CardError(ValueError):
@@ -62,8 +61,7 @@ def bits_tag(bits) -> str:
     return "ternary" if bits == fmt.TERNARY else f"{bits}-bit"
 
 
-def looks_like_repo_id(name: str | None) -> bool:
-    return bool(name) and bool(_REPO_ID.match(name)) and not os.path.exists(name)
+looks_like_repo_id = ckpt.looks_like_repo_id
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,10 +312,8 @@ def resolve_base_model(directory: str, base_model: str | None = None) -> tuple[s
     for c in candidates:
         if looks_like_repo_id(c):
             return c, source if source and os.path.isdir(source) else None
-    if source:
-        m = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", source.replace(os.sep, "/"))
-        if m:
-            return f"{m.group(1)}/{m.group(2)}", source if os.path.isdir(source) else None
+    if source and "/" in ckpt.public_source(source):  # a Hub cache snapshot path
+        return ckpt.public_source(source), source if os.path.isdir(source) else None
     return None, source if source and os.path.isdir(source) else None
 
 
@@ -339,7 +335,8 @@ def build_record(base_model: str | None = None, source: str | None = None, comma
                  recipe: str | None = None) -> dict:
     import datetime
 
-    return {"base_model": base_model, "source": source, "command": command, "recipe": recipe,
+    return {"base_model": base_model, "source": ckpt.public_source(source), "command": ckpt.public_command(command),
+            "recipe": recipe,
             "versions": _versions(),
             "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
@@ -376,8 +373,10 @@ def _fp_summary(groups: list[tuple[str, int]], limit: int = 6) -> str:
 
 
 def card_context(directory: str, repo_id: str | None = None, base_model: str | None = None,
-                 base_metadata: dict | None = None, name: str | None = None) -> dict[str, Any]:
-    """Everything the template needs, computed from the directory."""
+                 base_metadata: dict | None = None, name: str | None = None,
+                 source_dir: str | None = None) -> dict[str, Any]:
+    """Everything the template needs, computed from the directory (`source_dir`: the local folder the model was
+    quantized from, whose card gives the licence; the saved files name it by base name only)."""
     check_checkpoint(directory)
     config = _read_json(os.path.join(directory, "config.json")) or {}
     qc = read_quantization_config(directory)
@@ -386,6 +385,7 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
     evaluation = _read_json(os.path.join(directory, EVAL_NAME))
     size = checkpoint_summary(directory)
     base_model, source = resolve_base_model(directory, base_model)
+    source = source_dir if source_dir and os.path.isdir(source_dir) else source
     meta = base_card_metadata(base_model, source) if base_metadata is None else dict(base_metadata)
 
     archs = config.get("architectures") or []
@@ -514,22 +514,25 @@ def _template():
 
 
 def render_card(directory: str, repo_id: str | None = None, base_model: str | None = None,
-                base_metadata: dict | None = None, name: str | None = None) -> str:
+                base_metadata: dict | None = None, name: str | None = None, source_dir: str | None = None) -> str:
     """README.md text for the TurboQuant checkpoint in `directory`.
 
     repo_id: the Hub repo the usage examples load from; base_model: the base model's Hub id (default: from
     tq_config.json / turboquant_build.json); base_metadata: license/language to use instead of reading the base
-    card; name: the checkpoint's folder name when `directory` is a temporary folder."""
-    ctx = card_context(directory, repo_id=repo_id, base_model=base_model, base_metadata=base_metadata, name=name)
+    card; name: the checkpoint's folder name when `directory` is a temporary folder; source_dir: the local
+    folder it was quantized from."""
+    ctx = card_context(directory, repo_id=repo_id, base_model=base_model, base_metadata=base_metadata, name=name,
+                       source_dir=source_dir)
     text = _template().render(**ctx)
     text = re.sub(r"\n{3,}", "\n\n", text)
     return text.rstrip() + "\n"
 
 
 def write_card(directory: str, repo_id: str | None = None, base_model: str | None = None,
-               base_metadata: dict | None = None, name: str | None = None) -> str:
+               base_metadata: dict | None = None, name: str | None = None, source_dir: str | None = None) -> str:
     """Render and write `directory/README.md` (atomically); return its path."""
-    text = render_card(directory, repo_id=repo_id, base_model=base_model, base_metadata=base_metadata, name=name)
+    text = render_card(directory, repo_id=repo_id, base_model=base_model, base_metadata=base_metadata, name=name,
+                       source_dir=source_dir)
     path = os.path.join(directory, CARD_NAME)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import struct
 from typing import Any, Iterable
 
@@ -13,8 +15,43 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 
                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_CACHE_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/")
+
+
 class CheckpointError(ValueError):
     """A checkpoint on disk is incomplete, truncated or inconsistent."""
+
+
+def looks_like_repo_id(name: str | None) -> bool:
+    return bool(name) and bool(_REPO_ID.match(str(name))) and not os.path.exists(name)
+
+
+def public_source(source) -> str | None:
+    """How a saved file names the model it came from: a Hub repo id as it is (a Hub cache snapshot path as its
+    repo id), anything else by its folder's base name only; never a path of the machine that wrote it."""
+    if source is None:
+        return None
+    source = os.fspath(source)
+    if looks_like_repo_id(source):
+        return source
+    m = _HUB_CACHE_SNAPSHOT.search(source.replace(os.sep, "/"))
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    return os.path.basename(os.path.normpath(source)) or None
+
+
+def public_command(command: str | None) -> str | None:
+    """A command line with every argument that is a path of this machine reduced to its base name."""
+    if not command:
+        return command
+    words = []
+    for word in shlex.split(command):
+        key, eq, value = word.partition("=") if word.startswith("--") else ("", "", word)
+        if os.path.isabs(value) or (os.sep in value and os.path.exists(value)):
+            value = public_source(value)
+        words.append(key + eq + value)
+    return shlex.join(words)
 
 
 def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:

@@ -8,6 +8,7 @@ from typing import Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import format as fmt
+from .checkpoint import public_source
 from .rotation import HADAMARD_FORMAT, HADAMARD_GROUP_SIZES
 
 QUANT_METHOD = "turboquant"
@@ -143,7 +144,7 @@ class TurboQuantConfig(QuantizationConfigMixin):
             "group_size": self.group_size,
             "quantizer_seed": self.quantizer_seed,
             "compressed_layers": compressed_layers,
-            "original_model": original_model,
+            "original_model": public_source(original_model),
         }
         if self.sensitive_patterns:
             out["sensitive_bits"] = self.sensitive_bits

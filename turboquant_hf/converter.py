@@ -1046,7 +1046,7 @@ class TurboQuantizer(_QuantizerBase):
                 json.dump(tq_card.build_record(base_model=base_model, source=self.source_dir,
                                                command=info.get("command"), recipe=info.get("recipe")), f, indent=2)
             tq_card.write_card(out_dir, base_model=base_model, repo_id=info.get("repo_id"),
-                               name=os.path.basename(save_dir))
+                               name=os.path.basename(save_dir), source_dir=self.source_dir)
         except Exception as e:  # the weights are complete; a card that cannot be rendered must not lose them
             import warnings
 

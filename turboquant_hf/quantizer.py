@@ -508,6 +508,7 @@ def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: boo
     with open(path + ".tmp", "w") as f:
         json.dump(describe_quantized_model(self, save_directory), f, indent=2)
     os.replace(path + ".tmp", path)
+    _save_source_tokenizer(self, save_directory)
     repo_id = None
     if push:
         from huggingface_hub import HfApi
@@ -525,6 +526,27 @@ def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: boo
     return result
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _save_source_tokenizer(model, save_directory) -> None:
+    """The tokenizer of the model this one was loaded from, saved beside it when the folder has none, so that
+    `pipeline(model=save_directory)` and a pushed repo work on their own."""
+    source = getattr(model, "_turboquant_original_model", None)
+    if not source or any(os.path.isfile(os.path.join(save_directory, f)) for f in _TOKENIZER_FILES):
+        return
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # no tokenizer where the weights came from: the folder is complete without one
+        logger.info("TurboQuant: no tokenizer saved beside the model (%s: %s)", source, e)
+        return
+    tokenizer.save_pretrained(save_directory)
+
+
 def _write_card(model, save_directory, repo_id=None, base_model=None, tags=None) -> None:
     from . import card as tq_card
 
@@ -534,7 +556,9 @@ def _write_card(model, save_directory, repo_id=None, base_model=None, tags=None)
             json.dump(tq_card.build_record(base_model=base_model,
                                            source=getattr(model, "_turboquant_original_model", None)), f, indent=2)
         os.replace(build_path + ".tmp", build_path)
-        text = tq_card.render_card(str(save_directory), repo_id=repo_id, base_model=base_model)
+        source = getattr(model, "_turboquant_original_model", None)
+        text = tq_card.render_card(str(save_directory), repo_id=repo_id, base_model=base_model,
+                                   source_dir=source if source and os.path.isdir(source) else None)
         if tags:
             card = ModelCard(text)
             card.data.tags = list(card.data.tags or []) + [t for t in tags if t not in (card.data.tags or [])]
