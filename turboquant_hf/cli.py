@@ -507,29 +507,6 @@ def _plan_sources(src: str):
     return config, tensors, f"{api.endpoint}/{src}"
 
 
-def _is_quantizable(name: str, shape: tuple, skip: list[str]) -> tuple[str, int, int] | None:
-    """(module name, rows, in_features) when `name` is a weight TurboQuant would quantize, else None."""
-    from .quantizer import _matches
-
-    lname = name.lower()
-    if len(shape) == 3 and (name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj")):
-        module = name
-        rows, in_features = shape[0] * shape[1], shape[2]
-    elif len(shape) == 2 and name.endswith(".weight"):
-        module = name[: -len(".weight")]
-        rows, in_features = shape
-        parts = module.lower().split(".")
-        if any("embed" in p or "norm" in p or p in ("conv1d", "wte", "wpe") for p in parts) or "conv" in parts[-1]:
-            return None
-    else:
-        return None
-    if "embed" in lname and len(shape) == 2:
-        return None
-    if _matches(module, skip):
-        return None
-    return module, rows, in_features
-
-
 def _norm_bytes(n_levels: int) -> int:
     """Bytes of one group norm as written for new tensors (float16 for the ternary tier, float32 otherwise)."""
     from . import format as fmt
@@ -547,23 +524,23 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
     (`turboquant_hf.layout`)."""
 
     from . import format as fmt
-    from . import layout
-    from .config import DEFAULT_MODULES_TO_NOT_CONVERT
+    from . import layout, planning
 
-    skip = list(DEFAULT_MODULES_TO_NOT_CONVERT) if cfg.modules_to_not_convert is None else cfg.modules_to_not_convert
+    try:
+        quantized = planning.from_headers(config, tensors, cfg)
+    except (ValueError, KeyError) as e:
+        raise CliError(f"plan: transformers cannot build this model from its config.json ({e})") from e
     G = cfg.group_size
     tiers: dict[Any, dict] = {}
     full_bytes = base_bytes = full_count = 0
     for name, (dtype, shape) in tensors.items():
         nbytes = ckpt._DTYPE_BYTES.get(dtype, 2) * math.prod(shape)
         base_bytes += nbytes
-        q = _is_quantizable(name, shape, skip)
-        if q is None:
+        if name not in quantized:
             full_bytes += nbytes
             full_count += 1
             continue
-        module, rows, in_features = q
-        bits = cfg.bits_for(module)
+        _, bits, rows, in_features = quantized[name]
         n_levels = fmt.levels_for_bits(bits)
         groups = rows * -(-in_features // G)
         packed = groups * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))

@@ -614,7 +614,7 @@ class TurboQuantizer(_QuantizerBase):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from .modules import TurboQuantWeight
-        from .quantizer import checkpoint_to_model_keys
+        from .planning import checkpoint_to_model_keys
         from .sizing import apply_plan
 
         model_config = AutoConfig.from_pretrained(self.source_dir)

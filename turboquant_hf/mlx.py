@@ -24,6 +24,8 @@ from torch import nn
 
 from . import format as fmt
 from .checkpoint import CheckpointError
+from .planning import (HADAMARD, ExpertsPlan, LinearPlan, Plan, activation_of, checkpoint_to_model_keys,
+                       fused_experts_geometry)
 
 PARTS = ("weight", "scales", "codebook", "signs")
 TRITS_PER_WORD = 20
@@ -200,11 +202,9 @@ class MLXLayout:
             mlx_key = mlx_key[len("language_model."):]
         return mlx_key.replace(".switch_mlp.", ".experts.")
 
-    def plan(self, model: nn.Module) -> tuple[dict, dict]:
-        """({Linear name: plan}, {experts name: plan}) for `replace_linear_modules` / `replace_experts_modules`,
-        after checking that every checkpoint tensor has a place in `model` of the right shape."""
-        from .modules import fused_experts_geometry
-        from .quantizer import checkpoint_to_model_keys
+    def plan(self, model: nn.Module) -> Plan:
+        """The modules to replace, after checking that every checkpoint tensor has a place in `model` of the
+        right shape."""
 
         meta = model.state_dict()
         names = {}
@@ -221,7 +221,7 @@ class MLXLayout:
         renamed = checkpoint_to_model_keys(model, list(names.values()), meta)
         ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
 
-        linear_plan, experts_plan, experts_parts = {}, {}, {}
+        plan, experts_parts = Plan(), {}
         for path, info in self.quantized.items():
             model_key = renamed[names[path]]
             owner_name = model_key.rpartition(".")[0]
@@ -247,9 +247,9 @@ class MLXLayout:
                 raise CheckpointError(f"{path}.weight: holds {info['shape']} weights, {owner_name} is "
                                       f"{(owner.out_features, owner.in_features)}")
             self.linear_targets[owner_name] = path
-            linear_plan[owner_name] = (fmt.bits_for_levels(info["levels"]), info["group_size"],
-                                       _dtype(self.index[path + ".scales"]), "hadamard")
-        activation = _activation(model)
+            plan.linears[owner_name] = LinearPlan(fmt.bits_for_levels(info["levels"]), info["group_size"],
+                                                  _dtype(self.index[path + ".scales"]), HADAMARD)
+        activation = activation_of(model)
         for owner_name, parts in experts_parts.items():
             missing = [p for p in _EXPERT_PROJECTIONS if p not in parts]
             if missing:
@@ -258,13 +258,13 @@ class MLXLayout:
                                       f"experts {owner_name})")
             info = {p: self.quantized[parts[p]] for p in _EXPERT_PROJECTIONS}
             self.expert_targets[owner_name] = parts
-            experts_plan[owner_name] = (
+            plan.experts[owner_name] = ExpertsPlan(
                 (fmt.bits_for_levels(info["gate_proj"]["levels"]), fmt.bits_for_levels(info["up_proj"]["levels"])),
                 fmt.bits_for_levels(info["down_proj"]["levels"]),
                 {p: info[p]["group_size"] for p in _EXPERT_PROJECTIONS},
                 activation,
                 tuple(_dtype(self.index[parts[p] + ".scales"]) for p in _EXPERT_PROJECTIONS),
-                "hadamard",
+                HADAMARD,
             )
 
         for key in plain:
@@ -287,7 +287,7 @@ class MLXLayout:
                 raise CheckpointError(f"{key}: shape {list(self.index[key]['shape'])}, {model_key} in "
                                       f"{type(model).__name__} is {list(target)}")
             self.plain_targets[key] = (model_key, transform)
-        return linear_plan, experts_plan
+        return plan
 
     def ignore_patterns(self) -> tuple[set, set]:
         """(unexpected, missing) key patterns for transformers' loader: this class loads these tensors itself."""
@@ -352,11 +352,6 @@ def _submodule(model: nn.Module, name: str):
         return model.get_submodule(name)
     except AttributeError:
         return None
-
-
-def _activation(model) -> str:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
 
 
 def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:

@@ -387,15 +387,13 @@ def fused_experts_geometry(module: nn.Module) -> tuple[int, int, int] | None:
     return e, h, two_i // 2
 
 
-def replace_experts_modules(model: nn.Module, plan: dict[str, tuple], awaiting_weights: bool) -> int:
-    """Swap each experts module named in `plan`
-    ({name: (gate_up_bits, down_bits, group_size, activation[, (gate_up_norms_dtype, down_norms_dtype)[, rotation]])})."""
-    for name, (gu_bits, dn_bits, group_size, activation, *rest) in plan.items():
+def replace_experts_modules(model: nn.Module, plan: dict, awaiting_weights: bool) -> int:
+    """Swap each experts module named in `plan` (`{name: planning.ExpertsPlan}`) for a TurboQuantExperts."""
+    for name, p in plan.items():
         old = model.get_submodule(name)
         e, h, i = fused_experts_geometry(old)
-        new = TurboQuantExperts(e, h, i, gu_bits, dn_bits, group_size, activation, device=old.gate_up_proj.device,
-                                norms_dtypes=rest[0] if rest else (None, None),
-                                rotation=rest[1] if len(rest) > 1 else "groups")
+        new = TurboQuantExperts(e, h, i, p.gate_up_bits, p.down_bits, p.group_size, p.activation,
+                                device=old.gate_up_proj.device, norms_dtypes=p.norms_dtypes, rotation=p.rotation)
         if awaiting_weights:
             new.gate_up_proj.awaiting_dtype = old.gate_up_proj.dtype
             new.down_proj.awaiting_dtype = old.down_proj.dtype
@@ -403,27 +401,25 @@ def replace_experts_modules(model: nn.Module, plan: dict[str, tuple], awaiting_w
     return len(plan)
 
 
-def replace_linear_modules(model: nn.Module, plan: dict[str, tuple], awaiting_weights: bool) -> int:
-    """Swap every `nn.Linear` named in `plan` ({name: (bits, group_size[, norms_dtype])}) for a TurboQuantLinear."""
-    count = 0
-    for name, (bits, group_size, *rest) in plan.items():
+def replace_linear_modules(model: nn.Module, plan: dict, awaiting_weights: bool) -> int:
+    """Swap every `nn.Linear` named in `plan` (`{name: planning.LinearPlan}`) for a TurboQuantLinear."""
+    for name, p in plan.items():
         linear = model.get_submodule(name)
         new = TurboQuantLinear(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
-            bits=bits,
-            group_size=group_size,
+            bits=p.bits,
+            group_size=p.group_size,
             dtype=linear.weight.dtype,
             device=linear.weight.device,
-            norms_dtype=rest[0] if rest else None,
-            rotation=rest[1] if len(rest) > 1 else "groups",
+            norms_dtype=p.norms_dtype,
+            rotation=p.rotation,
         )
         if awaiting_weights:
             new.weight.awaiting_dtype = linear.weight.dtype
         model.set_submodule(name, new)
-        count += 1
-    return count
+    return len(plan)
 
 
 def quantize_linear_(module: TurboQuantLinear, weight: torch.Tensor, name: str = "weight") -> None:

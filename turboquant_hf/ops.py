@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import codec, layout, rotation
+from .activations import ACTIVATIONS
 
 # Bound on the float32 weight block the reference materialises per step.
 _REFERENCE_BLOCK_ELEMENTS = 1 << 22
@@ -100,12 +101,6 @@ def _(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
 
 
 
-ACTIVATIONS = {
-    "silu": torch.nn.functional.silu,
-    "gelu": torch.nn.functional.gelu,
-    "gelu_pytorch_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-    "relu": torch.relu,
-}
 
 
 def sort_routing(top_k_index: torch.Tensor, num_experts: int):

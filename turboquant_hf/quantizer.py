@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import types
-import warnings
 
 import torch
-from huggingface_hub import ModelCard
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils import logging
@@ -17,18 +13,10 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
-from . import mlx
-from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
+from . import mlx, planning, saving
+from .config import TurboQuantConfig
 from .fusion import fuse_projections
-from .modules import (
-    TurboQuantExperts,
-    TurboQuantWeight,
-    fused_experts_geometry,
-    replace_experts_modules,
-    replace_linear_modules,
-    to_norms_dtype,
-)
-from .ops import ACTIVATIONS
+from .modules import TurboQuantExperts, TurboQuantWeight, to_norms_dtype
 
 logger = logging.get_logger(__name__)
 
@@ -36,16 +24,6 @@ try:  # transformers >= 5
     from transformers.core_model_loading import ConversionOps
 except ImportError as e:  # pragma: no cover - guarded by setup.py's requirement
     raise ImportError("turboquant_hf needs transformers >= 5.17") from e
-
-
-def _matches(name: str, patterns) -> bool:
-    """transformers' skip rules (prefix, regex from the start, suffix), plus a match on whole name components
-    anywhere in the name, so that `"mlp"` skips every `*.mlp.*` module."""
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    if not should_convert_module(name, list(patterns)):
-        return True
-    return any(re.search(rf"(^|\.){pattern}(\.|$)", name) for pattern in patterns)
 
 
 class TurboQuantize(ConversionOps):
@@ -127,12 +105,12 @@ class TurboQuantHfQuantizer(HfQuantizer):
                 "*.tq_packed tensors"
             )
         if self.pre_quantized:
-            linear_plan, experts_plan = self._plan_from_checkpoint(model, packed_keys)
+            plan = planning.from_checkpoint(model, self.checkpoint_index, self.quantization_config)
+            self.dequantize_into = plan.dequantize_into
         else:
-            linear_plan, experts_plan = self.plan_from_config(model)
+            plan = planning.from_config(model, self.quantization_config, logger=logger)
         self.modules_to_not_convert = None
-        replace_linear_modules(model, linear_plan, awaiting_weights=not self.pre_quantized)
-        replace_experts_modules(model, experts_plan, awaiting_weights=not self.pre_quantized)
+        plan.apply(model, awaiting_weights=not self.pre_quantized)
         if not self.pre_quantized:
             _resolve_placeholders_while_loading(model)
         model._turboquant_original_model = getattr(model.config, "_name_or_path", None)
@@ -145,7 +123,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
         config = model.config
         layout = mlx.MLXLayout(self.checkpoint_index, model_type=getattr(config, "model_type", None))
-        linear_plan, experts_plan = layout.plan(model)
+        plan = layout.plan(model)
         self.pre_quantized = True
         if self.quantization_config.format != HADAMARD_FORMAT:
             # (config.json without its MLX quantization block): describe what the files hold
@@ -155,163 +133,12 @@ class TurboQuantHfQuantizer(HfQuantizer):
                                                         format=HADAMARD_FORMAT)
             config.quantization_config = self.quantization_config
         self.modules_to_not_convert = None
-        replace_linear_modules(model, linear_plan, awaiting_weights=False)
-        replace_experts_modules(model, experts_plan, awaiting_weights=False)
+        plan.apply(model, awaiting_weights=False)
         unexpected, missing = layout.ignore_patterns()
         model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | unexpected
         model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | missing
         self.mlx_layout = layout
         model._turboquant_original_model = getattr(config, "_name_or_path", None)
-
-    def _skip_patterns(self, model) -> list[str]:
-        skip = self.quantization_config.modules_to_not_convert
-        return self.get_modules_to_not_convert(
-            model,
-            list(DEFAULT_MODULES_TO_NOT_CONVERT) if skip is None else skip,
-            getattr(model, "_keep_in_fp32_modules", None),
-            add_default_skips=skip is None,
-        )
-
-    @staticmethod
-    def _activation(model) -> str:
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
-
-    def plan_from_config(self, model):
-        """({Linear name: (bits, G)}, {experts name: (gate_up bits, down bits, G, activation)}) for on-the-fly
-        quantization; also used on the meta device by `sizing` and the streaming converter."""
-        cfg = self.quantization_config
-        skip = self._skip_patterns(model)
-        activation = self._activation(model)
-        linear_plan, experts_plan = {}, {}
-        for name, module in model.named_modules():
-            if _matches(name, skip):
-                continue
-            if type(module) is nn.Linear:
-                linear_plan[name] = (cfg.bits_for(name), cfg.group_size)
-            elif name.rpartition(".")[2] == "experts" and not isinstance(module, nn.ModuleList):
-                if fused_experts_geometry(module) is None or activation not in ACTIVATIONS:
-                    logger.warning(
-                        "TurboQuant: %s (%s) is not in the fused-experts layout this version quantizes "
-                        "(gate_up_proj [E, 2I, H], down_proj [E, H, I], activation one of %s; found %s); "
-                        "it stays in full precision",
-                        name, type(module).__name__, ", ".join(ACTIVATIONS), activation,
-                    )
-                    continue
-                experts_plan[name] = (
-                    cfg.bits_for(name + ".gate_up_proj"), cfg.bits_for(name + ".down_proj"), cfg.group_size, activation
-                )
-        return linear_plan, experts_plan
-
-    def _plan_from_checkpoint(self, model, packed_keys):
-        """Which modules the checkpoint holds packed, with bit widths from each tensor's geometry."""
-        group_size = self.quantization_config.group_size
-        meta = model.state_dict()
-        ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
-        activation = self._activation(model)
-        linear_plan, experts_plan, experts_keys = {}, {}, {}
-        self.dequantize_into = {}
-        hadamard_keys = [k for k in packed_keys if k + ".tq_signs" in self.checkpoint_index]
-        if hadamard_keys:
-            self._plan_hadamard_keys(model, hadamard_keys, meta, activation, linear_plan, experts_plan)
-            packed_keys = [k for k in packed_keys if k not in set(hadamard_keys)]
-        for key, model_key in checkpoint_to_model_keys(model, packed_keys, meta).items():
-            if model_key not in meta:
-                if any(p.search(key) or p.search(model_key) for p in ignore):
-                    # a part of the checkpoint this class does not load (e.g. the vision tower of a text-only class)
-                    _ignore_packed(model, key, model_key)
-                    continue
-                raise ckpt.CheckpointError(
-                    f"{key}{fmt.PACKED_SUFFIX}: no matching layer in {type(model).__name__}; the checkpoint does "
-                    "not belong to this architecture or names a layer type this version cannot load quantized"
-                )
-            owner_name, _, attr = model_key.rpartition(".")
-            owner = model.get_submodule(owner_name)
-            source_shape = tuple(meta[model_key].shape)
-            rows = 1
-            for d in source_shape[:-1]:
-                rows *= d
-            n_levels, norms_dtype = ckpt.check_packed_tensor(
-                self.checkpoint_index, key, rows, source_shape[-1], group_size
-            )
-            bits = fmt.bits_for_levels(n_levels)
-            if type(owner) is nn.Linear and attr == "weight":
-                linear_plan[owner_name] = (bits, group_size, norms_dtype)
-            elif attr in ("gate_up_proj", "down_proj") and fused_experts_geometry(owner) is not None:
-                experts_keys.setdefault(owner_name, {})[attr] = (key, bits, norms_dtype)
-            elif len(source_shape) == 2:
-                # packed by a writer that quantizes more than this version keeps packed (routers, ...):
-                # dequantized into the full-precision parameter after loading
-                self.dequantize_into[model_key] = key
-                _ignore_packed(model, key, model_key)
-                model._keys_to_ignore_on_load_missing.add(re.escape(model_key))
-            else:
-                raise ckpt.CheckpointError(
-                    f"{key}{fmt.PACKED_SUFFIX}: {owner_name} is a {type(owner).__name__}; this version cannot load "
-                    f"a packed {attr} of shape {source_shape} into it"
-                )
-        for name, parts in experts_keys.items():
-            for attr in ("gate_up_proj", "down_proj"):
-                if attr not in parts:
-                    other = next(iter(parts.values()))[0]
-                    raise ckpt.CheckpointError(
-                        f"checkpoint is missing {other.rpartition('.')[0]}.{attr}{fmt.PACKED_SUFFIX} "
-                        f"(needed for the quantized experts {name})"
-                    )
-            if activation not in ACTIVATIONS:
-                raise ckpt.CheckpointError(f"{name}: activation {activation!r} is not supported by TurboQuantExperts")
-            experts_plan[name] = (
-                parts["gate_up_proj"][1], parts["down_proj"][1], group_size, activation,
-                (parts["gate_up_proj"][2], parts["down_proj"][2]),
-            )
-        return linear_plan, experts_plan
-
-    def _plan_hadamard_keys(self, model, keys, meta, activation, linear_plan, experts_plan) -> None:
-        """Modules saved with whole-row Hadamard rotation (models loaded from turboquant-mlx checkpoints)."""
-        probes, is_experts = {}, {}
-        for key in keys:
-            parent, _, leaf = key.rpartition(".")
-            is_experts[key] = parent.endswith(".experts") and leaf in ("gate_proj", "up_proj", "down_proj")
-            # (the model has no `experts.gate_proj`: rename a name it has, like its siblings)
-            probes[key] = (parent + ".down_proj") if is_experts[key] else key
-        renamed = checkpoint_to_model_keys(model, list(probes.values()), meta)
-        experts_parts: dict[str, dict] = {}
-        for key in keys:
-            model_key = renamed[probes[key]]
-            owner_name = model_key.rpartition(".")[0]
-            try:
-                owner = model.get_submodule(owner_name)
-            except AttributeError:
-                owner = None
-            if is_experts[key]:
-                geometry = fused_experts_geometry(owner) if owner is not None else None
-                if geometry is None:
-                    raise ckpt.CheckpointError(f"{key}.tq_packed: no fused experts module {owner_name} in "
-                                               f"{type(model).__name__}")
-                e, h, i = geometry
-                leaf = key.rpartition(".")[2]
-                rows, width = (e * h, i) if leaf == "down_proj" else (e * i, h)
-                experts_parts.setdefault(owner_name, {})[leaf] = (key,) + ckpt.check_hadamard_tensor(
-                    self.checkpoint_index, key, rows, width)
-            elif type(owner) is nn.Linear and model_key.endswith(".weight"):
-                n_levels, group_size, norms_dtype = ckpt.check_hadamard_tensor(
-                    self.checkpoint_index, key, owner.out_features, owner.in_features)
-                linear_plan[owner_name] = (fmt.bits_for_levels(n_levels), group_size, norms_dtype, "hadamard")
-            else:
-                raise ckpt.CheckpointError(f"{key}.tq_packed: no matching Linear layer in {type(model).__name__}")
-        for name, parts in experts_parts.items():
-            for leaf in ("gate_proj", "up_proj", "down_proj"):
-                if leaf not in parts:
-                    raise ckpt.CheckpointError(f"checkpoint is missing {name}.{leaf}.tq_packed (needed for the "
-                                               f"quantized experts {name})")
-            experts_plan[name] = (
-                (fmt.bits_for_levels(parts["gate_proj"][1]), fmt.bits_for_levels(parts["up_proj"][1])),
-                fmt.bits_for_levels(parts["down_proj"][1]),
-                {leaf: parts[leaf][2] for leaf in parts},
-                activation,
-                tuple(parts[leaf][3] for leaf in ("gate_proj", "up_proj", "down_proj")),
-                "hadamard",
-            )
 
     # -- during loading ------------------------------------------------------------------------------------------
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
@@ -362,7 +189,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         _drop_expert_converters_for_saving(model)
         for p in model.parameters():
             p.requires_grad_(False)
-        _install_save_hook(model)
+        saving.install_save_hooks(model)
         return model
 
     def raise_conversion_failures(self) -> None:
@@ -435,26 +262,6 @@ def _resolve_placeholders_while_loading(model) -> None:
     model.get_parameter_or_buffer = types.MethodType(get_parameter_or_buffer, model)
 
 
-def checkpoint_to_model_keys(model, keys, meta=None) -> dict[str, str]:
-    """Map checkpoint tensor names to the model's names with transformers' own renamings (prefix changes, ...)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    meta = model.state_dict() if meta is None else meta
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    out = {}
-    for key in keys:
-        out[key] = key if key in meta else rename_source_key(key, renamings, [], model.base_model_prefix, meta)[0]
-    return out
-
-
-def _ignore_packed(model, key: str, model_key: str) -> None:
-    names = set()
-    for k in (key, model_key):
-        names.update({re.escape(k + fmt.PACKED_SUFFIX), re.escape(k + fmt.NORMS_SUFFIX)})
-    model._keys_to_ignore_on_load_unexpected.update(names)
-
-
 def _drop_expert_converters_for_saving(model) -> None:
     """Packed experts are saved pre-fused, whatever the source layout: transformers must not split them back
     into per-expert tensors on save (its reverse converters would also match `...gate_up_proj.tq_packed`)."""
@@ -472,126 +279,3 @@ def _drop_expert_converters_for_saving(model) -> None:
     ]
 
 
-def describe_quantized_model(model, save_directory: str) -> dict:
-    """The `tq_config.json` that describes `model` as saved in `save_directory` (names as written there)."""
-    cfg = model.config.quantization_config
-    if isinstance(cfg, dict):
-        cfg = TurboQuantConfig.from_dict(cfg)
-    files = [os.path.join(save_directory, f) for f in os.listdir(save_directory) if f.endswith(".safetensors")]
-    saved = ckpt.packed_weight_keys(ckpt.read_checkpoint_index(files))
-    modules = dict(model.named_modules())
-    layers, orig_in_dims = 0, {}
-    for key, model_key in checkpoint_to_model_keys(model, saved).items():
-        module = modules.get(model_key)
-        if not isinstance(module, TurboQuantWeight):
-            continue
-        layers += 1
-        if module.in_features % module.group_size:
-            orig_in_dims[key] = module.in_features
-    return cfg.to_tq_config(layers, orig_in_dims, getattr(model, "_turboquant_original_model", None))
-
-
-def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: bool = True, base_model=None, **kwargs):
-    """transformers' save_pretrained, then tq_config.json and (unless `model_card=False`) the model card README.md.
-
-    `base_model`: the Hub id of the model this was quantized from, for the card (default: tq_config's
-    original_model when it is a Hub id). With `push_to_hub=True` the folder is uploaded after the card is
-    written, so the Hub gets this card and not transformers' generic one.
-    """
-    push = kwargs.pop("push_to_hub", False)
-    tags = kwargs.pop("tags", None)
-    hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
-    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
-    if not kwargs.get("is_main_process", True) or os.path.isfile(save_directory):
-        return result
-    path = os.path.join(save_directory, fmt.TQ_CONFIG_NAME)
-    with open(path + ".tmp", "w") as f:
-        json.dump(describe_quantized_model(self, save_directory), f, indent=2)
-    os.replace(path + ".tmp", path)
-    _save_source_tokenizer(self, save_directory)
-    repo_id = None
-    if push:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        repo_id = hub_kwargs.get("repo_id") or os.path.basename(os.path.normpath(str(save_directory)))
-        repo_id = api.create_repo(repo_id, private=hub_kwargs.get("private"), token=kwargs.get("token"),
-                                  exist_ok=True).repo_id
-    if model_card:
-        _write_card(self, save_directory, repo_id=repo_id, base_model=base_model, tags=tags)
-    if push:
-        api.upload_folder(folder_path=str(save_directory), repo_id=repo_id, token=kwargs.get("token"),
-                          commit_message=hub_kwargs.get("commit_message") or "Upload TurboQuant model",
-                          create_pr=hub_kwargs.get("create_pr", False))
-    return result
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _save_source_tokenizer(model, save_directory) -> None:
-    """The tokenizer of the model this one was loaded from, saved beside it when the folder has none, so that
-    `pipeline(model=save_directory)` and a pushed repo work on their own."""
-    source = getattr(model, "_turboquant_original_model", None)
-    if not source or any(os.path.isfile(os.path.join(save_directory, f)) for f in _TOKENIZER_FILES):
-        return
-    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES):
-        return
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except Exception as e:  # no tokenizer where the weights came from: the folder is complete without one
-        logger.info("TurboQuant: no tokenizer saved beside the model (%s: %s)", source, e)
-        return
-    tokenizer.save_pretrained(save_directory)
-
-
-def _write_card(model, save_directory, repo_id=None, base_model=None, tags=None) -> None:
-    from . import card as tq_card
-
-    try:
-        build_path = os.path.join(save_directory, tq_card.BUILD_NAME)
-        with open(build_path + ".tmp", "w") as f:
-            json.dump(tq_card.build_record(base_model=base_model,
-                                           source=getattr(model, "_turboquant_original_model", None)), f, indent=2)
-        os.replace(build_path + ".tmp", build_path)
-        source = getattr(model, "_turboquant_original_model", None)
-        text = tq_card.render_card(str(save_directory), repo_id=repo_id, base_model=base_model,
-                                   source_dir=source if source and os.path.isdir(source) else None)
-        if tags:
-            card = ModelCard(text)
-            card.data.tags = list(card.data.tags or []) + [t for t in tags if t not in (card.data.tags or [])]
-            text = str(card)
-    except Exception as e:  # the weights are saved; a card that cannot be rendered must not lose them
-        warnings.warn(f"TurboQuant: saved the model but could not write its model card: {e}")
-        return
-    with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def _push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
-                 token=None, create_pr: bool = False, revision: str | None = None, tags=None,
-                 base_model=None, **save_kwargs):
-    """Push weights, config, tq_config.json and the TurboQuant model card in one commit.
-
-    transformers' own push_to_hub would replace the README with its generic card; this one uploads the
-    folder that `save_pretrained` wrote, card included.
-    """
-    import tempfile
-
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-    with tempfile.TemporaryDirectory() as tmp:
-        self.save_pretrained(tmp, model_card=False, **save_kwargs)
-        _write_card(self, tmp, repo_id=repo_id, base_model=base_model, tags=tags)
-        return api.upload_folder(folder_path=tmp, repo_id=repo_id, token=token, revision=revision,
-                                 create_pr=create_pr, commit_message=commit_message or "Upload TurboQuant model")
-
-
-def _install_save_hook(model) -> None:
-    # transformers has no save hook for quantizers; instance attributes keep the class (and its name) intact.
-    model.save_pretrained = types.MethodType(_save_pretrained_with_tq_config, model)
-    model.push_to_hub = types.MethodType(_push_to_hub, model)

@@ -6,18 +6,14 @@ from collections import defaultdict
 
 import torch
 
+from . import planning
 from .config import TurboQuantConfig
-from .modules import TurboQuantWeight, replace_experts_modules, replace_linear_modules
+from .modules import TurboQuantWeight
 
 
 def apply_plan(model, config: TurboQuantConfig):
     """Swap in TurboQuant modules exactly as `from_pretrained(..., quantization_config=config)` would."""
-    from .quantizer import TurboQuantHfQuantizer
-
-    quantizer = TurboQuantHfQuantizer(config)
-    linear_plan, experts_plan = quantizer.plan_from_config(model)
-    replace_linear_modules(model, linear_plan, awaiting_weights=False)
-    replace_experts_modules(model, experts_plan, awaiting_weights=False)
+    planning.from_config(model, config).apply(model, awaiting_weights=False)
     return model
 
 

@@ -1,0 +1,319 @@
+"""What gets quantized, and how: typed plans, and the one rule that builds them from each source.
+
+A `Plan` names every module to replace (a Linear by a `TurboQuantLinear`, a fused experts module by a
+`TurboQuantExperts`) with its bit widths, group size, norms dtype and rotation. It is built
+
+- from a `TurboQuantConfig` (`from_config`: quantizing on the fly, and every size estimate);
+- from the TurboQuant tensors of a checkpoint (`from_checkpoint`: bit widths from each tensor's geometry);
+- from a turboquant-mlx layout (`turboquant_hf.mlx.MLXLayout.plan`, which returns a `Plan` too);
+- from safetensors headers alone (`from_headers`: the model is built on the meta device from its config, planned
+  `from_config`, and each checkpoint tensor is matched to the module it feeds).
+
+The HF quantizer, the streaming converter, `sizing` and `turboquant-hf plan` all call these.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+from . import format as fmt
+from .activations import ACTIVATIONS
+from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
+from .modules import fused_experts_geometry, replace_experts_modules, replace_linear_modules
+
+GROUPS = "groups"  # rotation per quantization group (tq3_native)
+HADAMARD = "hadamard"  # whole-row rotation (turboquant-mlx)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """One `nn.Linear` replaced by a `TurboQuantLinear`."""
+
+    bits: Any
+    group_size: int
+    norms_dtype: torch.dtype | None = None  # None: the format's default for the tier
+    rotation: str = GROUPS
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """One fused experts module (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) replaced by `TurboQuantExperts`.
+
+    With whole-row rotation (MLX) gate and up may differ: `gate_up_bits` is then a (gate, up) pair, `group_size`
+    a `{projection: G}` dict and `norms_dtypes` has three entries (gate, up, down)."""
+
+    gate_up_bits: Any
+    down_bits: Any
+    group_size: Any
+    activation: str
+    norms_dtypes: tuple = (None, None)
+    rotation: str = GROUPS
+
+
+@dataclass
+class Plan:
+    linears: dict[str, LinearPlan] = field(default_factory=dict)
+    experts: dict[str, ExpertsPlan] = field(default_factory=dict)
+    # model parameter -> checkpoint key: packed by a writer that quantizes more than this package keeps packed
+    # (routers, ...); dequantized into the full-precision parameter after loading
+    dequantize_into: dict[str, str] = field(default_factory=dict)
+
+    def apply(self, model: nn.Module, awaiting_weights: bool) -> None:
+        """Swap the planned modules in (`awaiting_weights`: their weights will be quantized while loading)."""
+        replace_linear_modules(model, self.linears, awaiting_weights=awaiting_weights)
+        replace_experts_modules(model, self.experts, awaiting_weights=awaiting_weights)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared rules
+def matches_any(name: str, patterns) -> bool:
+    """transformers' skip rules (prefix, regex from the start, suffix), plus a match on whole name components
+    anywhere in the name, so that `"mlp"` skips every `*.mlp.*` module."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    if not should_convert_module(name, list(patterns)):
+        return True
+    return any(re.search(rf"(^|\.){pattern}(\.|$)", name) for pattern in patterns)
+
+
+def skip_patterns(model, config: TurboQuantConfig) -> list[str]:
+    """The modules `config` keeps in full precision in `model`."""
+    from transformers.quantizers.base import HfQuantizer
+
+    skip = config.modules_to_not_convert
+    return HfQuantizer.get_modules_to_not_convert(
+        model,
+        list(DEFAULT_MODULES_TO_NOT_CONVERT) if skip is None else skip,
+        getattr(model, "_keep_in_fp32_modules", None),
+        add_default_skips=skip is None,
+    )
+
+
+def activation_of(model) -> str:
+    """The MLP activation of a model (its text config's `hidden_act` / `hidden_activation`)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+
+
+def checkpoint_to_model_keys(model, keys, meta=None) -> dict[str, str]:
+    """Map checkpoint tensor names to the model's names with transformers' own renamings (prefix changes, ...)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    meta = model.state_dict() if meta is None else meta
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out = {}
+    for key in keys:
+        out[key] = key if key in meta else rename_source_key(key, renamings, [], model.base_model_prefix, meta)[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# from a config
+def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
+    """The plan of quantizing `model` with `config`: every `nn.Linear` and fused experts module not skipped."""
+    skip = skip_patterns(model, config)
+    activation = activation_of(model)
+    plan = Plan()
+    for name, module in model.named_modules():
+        if matches_any(name, skip):
+            continue
+        if type(module) is nn.Linear:
+            plan.linears[name] = LinearPlan(config.bits_for(name), config.group_size)
+        elif name.rpartition(".")[2] == "experts" and not isinstance(module, nn.ModuleList):
+            if fused_experts_geometry(module) is None or activation not in ACTIVATIONS:
+                if logger is not None:
+                    logger.warning(
+                        "TurboQuant: %s (%s) is not in the fused-experts layout this version quantizes "
+                        "(gate_up_proj [E, 2I, H], down_proj [E, H, I], activation one of %s; found %s); "
+                        "it stays in full precision",
+                        name, type(module).__name__, ", ".join(ACTIVATIONS), activation,
+                    )
+                continue
+            plan.experts[name] = ExpertsPlan(config.bits_for(name + ".gate_up_proj"),
+                                             config.bits_for(name + ".down_proj"), config.group_size, activation)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# from checkpoint tensors
+def from_checkpoint(model, index: dict, config: TurboQuantConfig) -> Plan:
+    """Which modules a checkpoint (`index`: its safetensors headers) holds packed, with bit widths from each
+    tensor's geometry. Packed tensors of parts the class does not load (`_keys_to_ignore_on_load_unexpected`, e.g.
+    a vision tower) are added to that list; any other packed tensor without a place raises `CheckpointError`."""
+    packed_keys = ckpt.packed_weight_keys(index)
+    _check_pairs(index)
+    meta = model.state_dict()
+    plan = Plan()
+    hadamard_keys = [k for k in packed_keys if k + ".tq_signs" in index]
+    if hadamard_keys:
+        _plan_hadamard_keys(model, index, hadamard_keys, meta, plan)
+        packed_keys = [k for k in packed_keys if k not in set(hadamard_keys)]
+    group_size = config.group_size
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    activation = activation_of(model)
+    experts_keys: dict[str, dict] = {}
+    for key, model_key in checkpoint_to_model_keys(model, packed_keys, meta).items():
+        if model_key not in meta:
+            if any(p.search(key) or p.search(model_key) for p in ignore):
+                _ignore_packed(model, key, model_key)  # e.g. the vision tower of a text-only class
+                continue
+            raise ckpt.CheckpointError(
+                f"{key}{fmt.PACKED_SUFFIX}: no matching layer in {type(model).__name__}; the checkpoint does "
+                "not belong to this architecture or names a layer type this version cannot load quantized"
+            )
+        owner_name, _, attr = model_key.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        source_shape = tuple(meta[model_key].shape)
+        rows = 1
+        for d in source_shape[:-1]:
+            rows *= d
+        n_levels, norms_dtype = ckpt.check_packed_tensor(index, key, rows, source_shape[-1], group_size)
+        bits = fmt.bits_for_levels(n_levels)
+        if type(owner) is nn.Linear and attr == "weight":
+            plan.linears[owner_name] = LinearPlan(bits, group_size, norms_dtype)
+        elif attr in ("gate_up_proj", "down_proj") and fused_experts_geometry(owner) is not None:
+            experts_keys.setdefault(owner_name, {})[attr] = (key, bits, norms_dtype)
+        elif len(source_shape) == 2:
+            plan.dequantize_into[model_key] = key
+            _ignore_packed(model, key, model_key)
+            model._keys_to_ignore_on_load_missing.add(re.escape(model_key))
+        else:
+            raise ckpt.CheckpointError(
+                f"{key}{fmt.PACKED_SUFFIX}: {owner_name} is a {type(owner).__name__}; this version cannot load "
+                f"a packed {attr} of shape {source_shape} into it"
+            )
+    for name, parts in experts_keys.items():
+        for attr in ("gate_up_proj", "down_proj"):
+            if attr not in parts:
+                other = next(iter(parts.values()))[0]
+                raise ckpt.CheckpointError(
+                    f"checkpoint is missing {other.rpartition('.')[0]}.{attr}{fmt.PACKED_SUFFIX} "
+                    f"(needed for the quantized experts {name})"
+                )
+        if activation not in ACTIVATIONS:
+            raise ckpt.CheckpointError(f"{name}: activation {activation!r} is not supported by TurboQuantExperts")
+        plan.experts[name] = ExpertsPlan(parts["gate_up_proj"][1], parts["down_proj"][1], group_size, activation,
+                                         (parts["gate_up_proj"][2], parts["down_proj"][2]))
+    return plan
+
+
+def _check_pairs(index: dict) -> None:
+    """Every `.tq_packed` has its `.tq_norms` and the reverse: a renamed or deleted tensor is named here."""
+    missing = []
+    for name in sorted(index):
+        for suffix, other in ((fmt.PACKED_SUFFIX, fmt.NORMS_SUFFIX), (fmt.NORMS_SUFFIX, fmt.PACKED_SUFFIX)):
+            partner = name[: -len(suffix)] + other
+            if name.endswith(suffix) and partner not in index:
+                missing.append(f"{partner} (partner of {name})")
+    if missing:
+        raise ckpt.CheckpointError("checkpoint is missing " + ", ".join(missing[:5])
+                                   + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _ignore_packed(model, key: str, model_key: str) -> None:
+    names = set()
+    for k in (key, model_key):
+        names.update({re.escape(k + fmt.PACKED_SUFFIX), re.escape(k + fmt.NORMS_SUFFIX)})
+    if not isinstance(getattr(model, "_keys_to_ignore_on_load_unexpected", None), set):
+        model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ())
+    model._keys_to_ignore_on_load_unexpected.update(names)
+
+
+def _plan_hadamard_keys(model, index, keys, meta, plan: Plan) -> None:
+    """Modules saved with whole-row Hadamard rotation (models loaded from turboquant-mlx checkpoints)."""
+    activation = activation_of(model)
+    probes, is_experts = {}, {}
+    for key in keys:
+        parent, _, leaf = key.rpartition(".")
+        is_experts[key] = parent.endswith(".experts") and leaf in ("gate_proj", "up_proj", "down_proj")
+        # (the model has no `experts.gate_proj`: rename a name it has, like its siblings)
+        probes[key] = (parent + ".down_proj") if is_experts[key] else key
+    renamed = checkpoint_to_model_keys(model, list(probes.values()), meta)
+    experts_parts: dict[str, dict] = {}
+    for key in keys:
+        model_key = renamed[probes[key]]
+        owner_name = model_key.rpartition(".")[0]
+        try:
+            owner = model.get_submodule(owner_name)
+        except AttributeError:
+            owner = None
+        if is_experts[key]:
+            geometry = fused_experts_geometry(owner) if owner is not None else None
+            if geometry is None:
+                raise ckpt.CheckpointError(f"{key}.tq_packed: no fused experts module {owner_name} in "
+                                           f"{type(model).__name__}")
+            e, h, i = geometry
+            leaf = key.rpartition(".")[2]
+            rows, width = (e * h, i) if leaf == "down_proj" else (e * i, h)
+            experts_parts.setdefault(owner_name, {})[leaf] = (key,) + ckpt.check_hadamard_tensor(index, key, rows,
+                                                                                                  width)
+        elif type(owner) is nn.Linear and model_key.endswith(".weight"):
+            n_levels, group_size, norms_dtype = ckpt.check_hadamard_tensor(index, key, owner.out_features,
+                                                                           owner.in_features)
+            plan.linears[owner_name] = LinearPlan(fmt.bits_for_levels(n_levels), group_size, norms_dtype, HADAMARD)
+        else:
+            raise ckpt.CheckpointError(f"{key}.tq_packed: no matching Linear layer in {type(model).__name__}")
+    for name, parts in experts_parts.items():
+        for leaf in ("gate_proj", "up_proj", "down_proj"):
+            if leaf not in parts:
+                raise ckpt.CheckpointError(f"checkpoint is missing {name}.{leaf}.tq_packed (needed for the "
+                                           f"quantized experts {name})")
+        plan.experts[name] = ExpertsPlan(
+            (fmt.bits_for_levels(parts["gate_proj"][1]), fmt.bits_for_levels(parts["up_proj"][1])),
+            fmt.bits_for_levels(parts["down_proj"][1]),
+            {leaf: parts[leaf][2] for leaf in parts},
+            activation,
+            tuple(parts[leaf][3] for leaf in ("gate_proj", "up_proj", "down_proj")),
+            HADAMARD,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# from safetensors headers (no weights)
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(\w+)\.weight$")
+_DOWN_LEAVES = ("down_proj", "w2")
+
+
+def meta_model(config_dict: dict, dtype=torch.bfloat16):
+    """The causal LM `config_dict` describes, built on the meta device (no memory, no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = {k: v for k, v in config_dict.items() if k != "quantization_config"}
+    config = AutoConfig.for_model(**config_dict)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def from_headers(config_dict: dict, tensors: dict, config: TurboQuantConfig) -> dict[str, tuple]:
+    """`{checkpoint tensor: (module name, bits, rows, in_features)}` for the tensors of `tensors`
+    (`{name: (dtype, shape)}`, from safetensors headers) that quantizing with `config` packs: the model is
+    built on the meta device and planned `from_config`, so the answer is the one `from_pretrained` gives."""
+    model = meta_model(config_dict)
+    plan = from_config(model, config)
+    meta = model.state_dict()
+    probes = {}
+    for name in tensors:
+        m = _PER_EXPERT.match(name)
+        probes[name] = m.group(1) + ".down_proj" if m else name  # per-expert tensors: the fused parameter's name
+    renamed = checkpoint_to_model_keys(model, sorted(set(probes.values())), meta)
+    out = {}
+    for name, (_, shape) in tensors.items():
+        model_key = renamed[probes[name]]
+        owner, _, attr = model_key.rpartition(".")
+        m = _PER_EXPERT.match(name)
+        if m and owner in plan.experts and len(shape) == 2:
+            p = plan.experts[owner]
+            out[name] = (owner, p.down_bits if m.group(2) in _DOWN_LEAVES else p.gate_up_bits, shape[0], shape[1])
+        elif owner in plan.linears and attr == "weight" and len(shape) == 2:
+            out[name] = (owner, plan.linears[owner].bits, shape[0], shape[1])
+        elif owner in plan.experts and attr in ("gate_up_proj", "down_proj") and len(shape) == 3:
+            p = plan.experts[owner]
+            out[name] = (owner, p.down_bits if attr == "down_proj" else p.gate_up_bits, shape[0] * shape[1], shape[2])
+    return out

@@ -1,0 +1,150 @@
+"""Saving a TurboQuant model: tq_config.json, the model card, the tokenizer beside the weights, and push_to_hub.
+
+transformers writes the weights and config.json (`HfQuantizer.is_serializable`); these hooks add what the
+published format and the Hub need, in the folder transformers wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+import warnings
+
+from huggingface_hub import ModelCard
+from transformers.utils import logging
+
+from . import checkpoint as ckpt
+from . import format as fmt
+from .config import TurboQuantConfig
+from .modules import TurboQuantWeight
+from .planning import checkpoint_to_model_keys
+
+logger = logging.get_logger(__name__)
+
+
+def describe_quantized_model(model, save_directory: str) -> dict:
+    """The `tq_config.json` that describes `model` as saved in `save_directory` (names as written there)."""
+    cfg = model.config.quantization_config
+    if isinstance(cfg, dict):
+        cfg = TurboQuantConfig.from_dict(cfg)
+    files = [os.path.join(save_directory, f) for f in os.listdir(save_directory) if f.endswith(".safetensors")]
+    saved = ckpt.packed_weight_keys(ckpt.read_checkpoint_index(files))
+    modules = dict(model.named_modules())
+    layers, orig_in_dims = 0, {}
+    for key, model_key in checkpoint_to_model_keys(model, saved).items():
+        module = modules.get(model_key)
+        if not isinstance(module, TurboQuantWeight):
+            continue
+        layers += 1
+        if module.in_features % module.group_size:
+            orig_in_dims[key] = module.in_features
+    return cfg.to_tq_config(layers, orig_in_dims, getattr(model, "_turboquant_original_model", None))
+
+
+def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: bool = True, base_model=None, **kwargs):
+    """transformers' save_pretrained, then tq_config.json and (unless `model_card=False`) the model card README.md.
+
+    `base_model`: the Hub id of the model this was quantized from, for the card (default: tq_config's
+    original_model when it is a Hub id). With `push_to_hub=True` the folder is uploaded after the card is
+    written, so the Hub gets this card and not transformers' generic one.
+    """
+    push = kwargs.pop("push_to_hub", False)
+    tags = kwargs.pop("tags", None)
+    hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
+    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    if not kwargs.get("is_main_process", True) or os.path.isfile(save_directory):
+        return result
+    path = os.path.join(save_directory, fmt.TQ_CONFIG_NAME)
+    with open(path + ".tmp", "w") as f:
+        json.dump(describe_quantized_model(self, save_directory), f, indent=2)
+    os.replace(path + ".tmp", path)
+    _save_source_tokenizer(self, save_directory)
+    repo_id = None
+    if push:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        repo_id = hub_kwargs.get("repo_id") or os.path.basename(os.path.normpath(str(save_directory)))
+        repo_id = api.create_repo(repo_id, private=hub_kwargs.get("private"), token=kwargs.get("token"),
+                                  exist_ok=True).repo_id
+    if model_card:
+        _write_card(self, save_directory, repo_id=repo_id, base_model=base_model, tags=tags)
+    if push:
+        api.upload_folder(folder_path=str(save_directory), repo_id=repo_id, token=kwargs.get("token"),
+                          commit_message=hub_kwargs.get("commit_message") or "Upload TurboQuant model",
+                          create_pr=hub_kwargs.get("create_pr", False))
+    return result
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _save_source_tokenizer(model, save_directory) -> None:
+    """The tokenizer of the model this one was loaded from, saved beside it when the folder has none, so that
+    `pipeline(model=save_directory)` and a pushed repo work on their own."""
+    source = getattr(model, "_turboquant_original_model", None)
+    if not source or any(os.path.isfile(os.path.join(save_directory, f)) for f in _TOKENIZER_FILES):
+        return
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # no tokenizer where the weights came from: the folder is complete without one
+        logger.info("TurboQuant: no tokenizer saved beside the model (%s: %s)", source, e)
+        return
+    tokenizer.save_pretrained(save_directory)
+
+
+def _write_card(model, save_directory, repo_id=None, base_model=None, tags=None) -> None:
+    from . import card as tq_card
+
+    try:
+        build_path = os.path.join(save_directory, tq_card.BUILD_NAME)
+        with open(build_path + ".tmp", "w") as f:
+            json.dump(tq_card.build_record(base_model=base_model,
+                                           source=getattr(model, "_turboquant_original_model", None)), f, indent=2)
+        os.replace(build_path + ".tmp", build_path)
+        source = getattr(model, "_turboquant_original_model", None)
+        text = tq_card.render_card(str(save_directory), repo_id=repo_id, base_model=base_model,
+                                   source_dir=source if source and os.path.isdir(source) else None)
+        if tags:
+            card = ModelCard(text)
+            card.data.tags = list(card.data.tags or []) + [t for t in tags if t not in (card.data.tags or [])]
+            text = str(card)
+    except Exception as e:  # the weights are saved; a card that cannot be rendered must not lose them
+        warnings.warn(f"TurboQuant: saved the model but could not write its model card: {e}")
+        return
+    with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
+                 token=None, create_pr: bool = False, revision: str | None = None, tags=None,
+                 base_model=None, **save_kwargs):
+    """Push weights, config, tq_config.json and the TurboQuant model card in one commit.
+
+    transformers' own push_to_hub would replace the README with its generic card; this one uploads the
+    folder that `save_pretrained` wrote, card included.
+    """
+    import tempfile
+
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as tmp:
+        self.save_pretrained(tmp, model_card=False, **save_kwargs)
+        _write_card(self, tmp, repo_id=repo_id, base_model=base_model, tags=tags)
+        return api.upload_folder(folder_path=tmp, repo_id=repo_id, token=token, revision=revision,
+                                 create_pr=create_pr, commit_message=commit_message or "Upload TurboQuant model")
+
+
+def install_save_hooks(model) -> None:
+    """`save_pretrained` and `push_to_hub` of a TurboQuant model also write tq_config.json, the build record, the
+    model card and (when the folder has none) the tokenizer. transformers has no save hook for quantizers;
+    instance attributes keep the model's class (and its name) intact."""
+    model.save_pretrained = types.MethodType(_save_pretrained_with_tq_config, model)
+    model.push_to_hub = types.MethodType(_push_to_hub, model)
