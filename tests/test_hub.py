@@ -16,6 +16,7 @@ from hub_fixtures import *  # noqa: F401,F403  (local_hub, hub_env, hub_in_proce
 from hub_fixtures import point_at_local_hub, run_python
 from turboquant_hf import card as tq_card
 from turboquant_hf import cli
+from turboquant_hf import sizing
 
 GENERIC = "This is the model card of a 🤗 transformers model"
 SMOL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -311,7 +312,7 @@ def test_plan_reads_hub_headers_only(hub_in_process, tiny_tq_dir, tiny_llama_dir
     n = len(hub.log)
     assert cli.main(["plan", "tester/plan-base", "--bits", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    local = cli.plan_memory(json.load(open(os.path.join(tiny_llama_dir, "config.json"))),
+    local = sizing.plan_memory(json.load(open(os.path.join(tiny_llama_dir, "config.json"))),
                             {k: (v["dtype"], v["shape"]) for k, v in __import__("turboquant_hf.checkpoint", fromlist=[
                                 "x"]).read_safetensors_header(os.path.join(tiny_llama_dir, "model.safetensors")).items()},
                             __import__("turboquant_hf").TurboQuantConfig(bits=4))

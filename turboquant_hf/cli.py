@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-import math
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import time
-from typing import Any
 
 from . import checkpoint as ckpt
+from . import hub_errors, sizing
+from .cli_parser import build_parser
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # something unexpected went wrong (a bug, or a model transformers cannot load)
@@ -22,19 +19,6 @@ EXIT_USAGE = 2  # bad arguments or bad input (not a checkpoint, unknown recipe, 
 EXIT_HUB = 3  # the Hub refused or failed (authentication, server error, dropped connection)
 EXIT_DOES_NOT_FIT = 4  # `plan --gpu-gb/--ram-gb`: the model does not fit the budget
 EXIT_INTERRUPTED = 130
-
-_EPILOG = """\
-exit codes:
-  0    success
-  1    unexpected failure (the message says what failed)
-  2    bad input: unknown recipe, not a TurboQuant checkpoint, no safetensors, missing file, output exists
-  3    the Hub failed: authentication (401/403), server error (5xx), dropped connection; safe to retry
-  4    plan: the model does not fit the --gpu-gb / --ram-gb budget
-  130  interrupted (no output directory is left behind)
-
-environment: HF_TOKEN (write token for push), HF_ENDPOINT (another Hub), HF_HUB_CACHE.
-"""
-
 
 class CliError(Exception):
     def __init__(self, message: str, code: int = EXIT_USAGE):
@@ -74,9 +58,9 @@ def _hub_error(exc: BaseException, doing: str, retry: str) -> CliError:
     """A clear message for a failed Hub call: what failed, why, and what to retry."""
     from huggingface_hub.errors import OfflineModeIsEnabled
 
-    network = _network_failure(exc)
+    network = hub_errors.network_failure(exc)
     cause = network if network is not None else exc
-    status = _status_code(exc)
+    status = hub_errors.status_code(exc)
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     if network is None and status in (401, 403):
         why = (f"the Hub at {endpoint} refused the credentials ({status}); set HF_TOKEN to a token with write "
@@ -91,53 +75,6 @@ def _hub_error(exc: BaseException, doing: str, retry: str) -> CliError:
     else:
         why = f"the connection to {endpoint} failed ({type(cause).__name__}: {str(cause).strip() or 'no answer'})"
     return CliError(f"{doing} failed: {why}. {retry}", EXIT_HUB)
-
-
-# Top-level packages of the HTTP clients huggingface_hub uses (httpx, its vendored fork, or requests, depending on
-# the version) and of their transports.
-_HTTP_CLIENT_PACKAGES = ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3", "h11", "h2")
-
-
-def _status_code(exc: BaseException) -> int | None:
-    """The HTTP status of the answer `exc` carries, None when it carries none (httpx raises RuntimeError for the
-    `request`/`response` of an exception built without them)."""
-    try:
-        return getattr(getattr(exc, "response", None), "status_code", None)
-    except Exception:
-        return None
-
-
-def _network_failure(exc: BaseException) -> BaseException | None:
-    """The network failure (refused or dropped connection, timeout, DNS, offline mode) behind `exc`, or None.
-
-    huggingface_hub and transformers wrap a refused connection in errors that do not say so: `hf_hub_download`
-    raises LocalEntryNotFoundError (an EntryNotFoundError) from httpx's ConnectError, `from_pretrained` an
-    OSError from that. So the search follows `__cause__` (`raise ... from`), and `__context__` of an OSError (an
-    I/O error re-raised without `from`), not that of other exceptions: a bug in a handler that ran after a
-    network failure is still a bug. An HTTP error (HfHubHTTPError, or one that carries an answer) is not a network
-    failure itself."""
-    from huggingface_hub.errors import HfHubHTTPError
-
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if not isinstance(exc, HfHubHTTPError) and _status_code(exc) is None:
-            if isinstance(exc, (ConnectionError, TimeoutError)):
-                return exc
-            if any(c.__module__.split(".")[0] in _HTTP_CLIENT_PACKAGES for c in type(exc).__mro__):
-                return exc
-        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__ if isinstance(exc, OSError) else None
-    return None
-
-
-def _is_hub_exception(exc: BaseException) -> bool:
-    """An HTTP error answered by the Hub, or a network failure behind `exc` (see `_network_failure`)."""
-    from huggingface_hub.errors import HfHubHTTPError
-
-    if isinstance(exc, HfHubHTTPError) or _network_failure(exc) is not None:
-        return True
-    # an OSError that names a failed connection without chaining the exception that caused it
-    return isinstance(exc, OSError) and "connect" in str(exc).lower()
 
 
 def _quant_config(args):
@@ -168,16 +105,6 @@ def _quant_config(args):
         raise CliError(f"--config {args.config}: not JSON: {e}") from e
 
 
-def _parse_bits(value: str):
-    from . import format as fmt
-
-    try:
-        return fmt.check_bits(float(value) if "." in value else int(value)) if value[0].isdigit() else \
-            fmt.check_bits(value)
-    except (ValueError, IndexError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-
-
 def _command_line(argv) -> str:
     import shlex
 
@@ -186,21 +113,6 @@ def _command_line(argv) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # quantize
-def _parse_size(value: str) -> int:
-    """Bytes from `24GB`, `24GiB`, `500MB`, `2.5e10` or `1000000`."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 10**3, "M": 10**6,
-             "G": 10**9, "T": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    text = value.strip().upper().replace(" ", "")
-    number = text.rstrip("KMGTIB")
-    try:
-        size = float(number) * units[text[len(number):]]
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a size (examples: 24GB, 512MiB, 2e9)") from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: a size must be positive")
-    return int(size)
-
-
 def _source_bytes(src: str) -> int | None:
     """Bytes of the safetensors weights of a local folder or a Hub repo (None when the Hub cannot tell)."""
     from . import card as tq_card
@@ -415,7 +327,7 @@ def _push(directory: str, repo_id: str, private: bool, message: str | None, args
     except CliError:
         raise
     except Exception as e:
-        if _is_hub_exception(e):
+        if hub_errors.is_hub_exception(e):
             raise _hub_error(e, step, retry) from e
         raise
     finally:
@@ -452,9 +364,6 @@ def cmd_card(args, argv) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # plan
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
-
-
 def _plan_sources(src: str):
     """(config dict, {tensor name: (dtype, shape)}, where) from a local folder or a Hub repo, headers only."""
     from . import card as tq_card
@@ -494,10 +403,10 @@ def _plan_sources(src: str):
         raise CliError(f"plan: {src} has no safetensors weights ({e})") from e
     except Exception as e:
         # (a refused connection reaches here as LocalEntryNotFoundError, an EntryNotFoundError: not a missing file)
-        if _network_failure(e) is None and isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError,
+        if hub_errors.network_failure(e) is None and isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError,
                                                           EntryNotFoundError)):
             raise CliError(f"plan: {step} failed: {type(e).__name__} ({str(e).strip().splitlines()[0]})") from e
-        if _is_hub_exception(e):
+        if hub_errors.is_hub_exception(e):
             raise _hub_error(e, step, f"Retry `turboquant-hf plan {src}`.") from e
         raise
     tensors = {}
@@ -505,172 +414,6 @@ def _plan_sources(src: str):
         for name, info in fm.tensors.items():
             tensors[name] = (info.dtype, tuple(info.shape))
     return config, tensors, f"{api.endpoint}/{src}"
-
-
-def _norm_bytes(n_levels: int) -> int:
-    """Bytes of one group norm as written for new tensors (float16 for the ternary tier, float32 otherwise)."""
-    from . import format as fmt
-
-    dtype = getattr(fmt, "default_norms_dtype", None)
-    return dtype(n_levels).itemsize if dtype is not None else 4
-
-
-def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", context: int | None = None,
-                batch: int = 1) -> dict[str, Any]:
-    """The memory projection of `tensors` quantized with `cfg`: weights per tier (exact), KV cache, recurrent state.
-
-    Sizes are those of the checkpoint (and of the model in CPU memory); `*gpu_bytes` are those on a CUDA device,
-    where ternary weights take the 2-bit runtime layout unless TURBOQUANT_COMPACT_TERNARY is set
-    (`turboquant_hf.layout`)."""
-
-    from . import format as fmt
-    from . import layout, planning
-
-    try:
-        quantized = planning.from_headers(config, tensors, cfg)
-    except (ValueError, KeyError) as e:
-        raise CliError(f"plan: transformers cannot build this model from its config.json ({e})") from e
-    G = cfg.group_size
-    tiers: dict[Any, dict] = {}
-    full_bytes = base_bytes = full_count = 0
-    for name, (dtype, shape) in tensors.items():
-        nbytes = ckpt._DTYPE_BYTES.get(dtype, 2) * math.prod(shape)
-        base_bytes += nbytes
-        if name not in quantized:
-            full_bytes += nbytes
-            full_count += 1
-            continue
-        _, bits, rows, in_features = quantized[name]
-        n_levels = fmt.levels_for_bits(bits)
-        groups = rows * -(-in_features // G)
-        packed = groups * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))
-        on_gpu = layout.gpu_bytes_per_group(n_levels, G)
-        t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
-                                    "base_bytes": 0})
-        t["tensors"] += 1
-        t["params"] += rows * in_features
-        t["bytes"] += packed
-        t["gpu_bytes"] += groups * (on_gpu + _norm_bytes(n_levels))
-        t["base_bytes"] += nbytes
-    plan = _plan_weights(tiers, full_bytes, full_count, base_bytes)
-    plan = {"quantization_config": cfg.to_dict(), "already_quantized": False, **plan}
-    return _plan_runtime(plan, config, kv_dtype, context, batch)
-
-
-def _plan_weights(tiers: dict, full_bytes: int, full_count: int, base_bytes: int) -> dict[str, Any]:
-    """The weights part of a plan from its tiers (`{bits: {"bits", "tensors", "params", "bytes", "gpu_bytes",
-    "base_bytes"}}`) and its full-precision tensors."""
-    from . import card as tq_card
-
-    q_bytes = sum(t["bytes"] for t in tiers.values())
-    q_gpu = sum(t["gpu_bytes"] for t in tiers.values())
-    q_params = sum(t["params"] for t in tiers.values())
-    tier_list = [dict(t, label=tq_card.bits_label(t["bits"]), bits_per_weight=round(8 * t["bytes"] / t["params"], 3))
-                 for _, t in sorted(tiers.items(), key=lambda kv_: -kv_[0])]
-    return {
-        "tiers": tier_list, "quantized_bytes": q_bytes, "quantized_params": q_params,
-        "full_precision_bytes": full_bytes, "full_precision_tensors": full_count,
-        "weights_bytes": q_bytes + full_bytes, "weights_gpu_bytes": q_gpu + full_bytes, "base_weights_bytes": base_bytes,
-        "bits_per_weight": round(8 * q_bytes / q_params, 3) if q_params else None,
-    }
-
-
-def _plan_runtime(plan: dict, config: dict, kv_dtype: str, context: int | None, batch: int) -> dict[str, Any]:
-    """`plan` (its weights part) with the KV cache, the recurrent state and the totals added."""
-    from . import card as tq_card
-
-    kv = tq_card.kv_cache_per_token(config, _DTYPE_BYTES[kv_dtype])
-    rec = tq_card.recurrent_state_bytes(config, _DTYPE_BYTES[kv_dtype])
-    tc = tq_card.text_config(config)
-    context = context or int(tc.get("max_position_embeddings") or 4096)
-    kv_total = kv["bytes"] * context * batch
-    total = plan["weights_bytes"] + kv_total + rec["bytes"] * batch
-    return dict(
-        plan, kv_dtype=kv_dtype, kv_cache_bytes_per_token=kv["bytes"], kv_cache=kv, recurrent_state_bytes=rec["bytes"],
-        recurrent_state=rec, context=context, batch=batch, kv_cache_bytes=kv_total, total_bytes=total,
-        total_gpu_bytes=total - plan["weights_bytes"] + plan["weights_gpu_bytes"])
-
-
-def _stored_quantization_config(config: dict, tq_config: dict | None) -> dict:
-    """The TurboQuant quantization_config a checkpoint declares: config.json's (or its text_config's), else
-    tq_config.json."""
-    from . import card as tq_card
-
-    for cfg in (config, tq_card.text_config(config)):
-        qc = cfg.get("quantization_config")
-        if isinstance(qc, dict) and qc.get("quant_method") == "turboquant":
-            return qc
-    return {k: v for k, v in (tq_config or {}).items() if k != "orig_in_dims"}  # (one entry per padded layer)
-
-
-def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = None, kv_dtype: str = "bf16",
-                       context: int | None = None, batch: int = 1) -> dict[str, Any]:
-    """The memory plan of a checkpoint that is already TurboQuant-quantized, as it is stored: every tensor at its
-    stored bytes (packed uint8 and norms for the quantized weights, the others at their own dtype), each quantized
-    weight in the tier its packed geometry says (`format.levels_from_geometry`), KV cache and state as
-    `plan_memory`. `tensors` is `{name: (safetensors dtype, shape)}`; `tq_config` the checkpoint's tq_config.json
-    (its `orig_in_dims` give the unpadded width of padded layers; without it the padded width counts)."""
-    from . import card as tq_card
-
-    from . import format as fmt
-    from . import layout
-
-    qc = _stored_quantization_config(config, tq_config)
-    group_size = int(qc.get("group_size") or (tq_config or {}).get("group_size") or 128)
-    orig_in = (tq_config or {}).get("orig_in_dims") or {}
-    tc = tq_card.text_config(config)
-    base_dtype = str(tc.get("dtype") or tc.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
-                     or "bfloat16").replace("torch.", "")
-    base_dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(base_dtype, 2)
-    index = {name: {"dtype": dtype, "shape": tuple(shape)} for name, (dtype, shape) in tensors.items()}
-
-    def nbytes(name: str) -> int:
-        dtype = index[name]["dtype"]
-        if dtype not in ckpt._DTYPE_BYTES:
-            raise CliError(f"plan: tensor {name} has the unknown safetensors dtype {dtype}")
-        return ckpt._DTYPE_BYTES[dtype] * math.prod(index[name]["shape"])
-
-    tiers: dict[Any, dict] = {}
-    quantized_names: set[str] = set()
-    base_bytes = 0
-    for key in ckpt.packed_weight_keys(index):
-        norms = index.get(key + fmt.NORMS_SUFFIX)
-        if norms is None or len(norms["shape"]) != 2:
-            raise CliError(f"plan: {key}{fmt.PACKED_SUFFIX} has no {fmt.NORMS_SUFFIX} of shape (rows, groups) beside "
-                           f"it (found {norms['shape'] if norms else 'none'})")
-        rows, n_groups = norms["shape"]
-        names = [key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX]
-        try:
-            if key + ".tq_codebook" in index and key + ".tq_signs" in index:
-                # whole-row Hadamard modules (from turboquant-mlx): their own codebook, signs and group size
-                in_features = index[key + ".tq_signs"]["shape"][0]
-                n_levels, g, _ = ckpt.check_hadamard_tensor(index, key, rows, in_features)
-                names += [key + ".tq_codebook", key + ".tq_signs"]
-            else:
-                module = key[: -len(".weight")] if key.endswith(".weight") else key
-                g = group_size
-                in_features = orig_in.get(key) or orig_in.get(module) or n_groups * g
-                n_levels, _ = ckpt.check_packed_tensor(index, key, rows, in_features, g)
-        except ckpt.CheckpointError as e:
-            raise CliError(f"plan: {e}") from e
-        bits = fmt.bits_for_levels(n_levels)
-        stored = sum(nbytes(n) for n in names)
-        # a CUDA device holds the packed codes in the runtime layout where one exists (ternary: 2-bit codes)
-        gpu_extra = rows * n_groups * (layout.gpu_bytes_per_group(n_levels, g) - fmt.bytes_per_group(n_levels, g))
-        t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
-                                    "base_bytes": 0})
-        t["tensors"] += 1
-        t["params"] += rows * in_features
-        t["bytes"] += stored
-        t["gpu_bytes"] += stored + gpu_extra
-        t["base_bytes"] += rows * in_features * base_dtype_bytes
-        base_bytes += rows * in_features * base_dtype_bytes
-        quantized_names.update(names)
-    full = [n for n in index if n not in quantized_names]
-    full_bytes = sum(nbytes(n) for n in full)
-    plan = _plan_weights(tiers, full_bytes, len(full), base_bytes + full_bytes)
-    plan = {"quantization_config": qc, "already_quantized": True, "group_size": group_size, **plan}
-    return _plan_runtime(plan, config, kv_dtype, context, batch)
 
 
 def _plan_tq_config(src: str) -> dict | None:
@@ -690,9 +433,9 @@ def _plan_tq_config(src: str) -> dict | None:
     try:
         path = hf_hub_download(src, fmt.TQ_CONFIG_NAME, endpoint=os.environ.get("HF_ENDPOINT") or None)
     except Exception as e:
-        if isinstance(e, EntryNotFoundError) and _network_failure(e) is None:
+        if isinstance(e, EntryNotFoundError) and hub_errors.network_failure(e) is None:
             return None  # optional: config.json's quantization_config is enough
-        if _is_hub_exception(e):
+        if hub_errors.is_hub_exception(e):
             raise _hub_error(e, step, f"Retry `turboquant-hf plan {src}`.") from e
         raise
     with open(path) as f:
@@ -707,11 +450,15 @@ def cmd_plan(args, argv) -> int:
     config, tensors, where = _plan_sources(args.src)
     # packed tensors in the headers: the checkpoint is quantized already, and is planned as it is stored
     stored = any(name.endswith(fmt.PACKED_SUFFIX) for name in tensors)
-    if stored:
-        plan = plan_stored_memory(config, tensors, _plan_tq_config(args.src), args.kv_dtype, args.context, args.batch)
-        recipe = None
-    else:
-        plan = plan_memory(config, tensors, cfg, args.kv_dtype, args.context, args.batch)
+    try:
+        if stored:
+            plan = sizing.plan_stored_memory(config, tensors, _plan_tq_config(args.src), args.kv_dtype, args.context,
+                                             args.batch)
+            recipe = None
+        else:
+            plan = sizing.plan_memory(config, tensors, cfg, args.kv_dtype, args.context, args.batch)
+    except sizing.PlanError as e:
+        raise CliError(f"plan: {e}") from e
     plan["source"] = where
     plan["recipe"] = recipe
     h = tq_card.human_bytes
@@ -774,48 +521,13 @@ def cmd_plan(args, argv) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # eval
 def _evaluate(directory: str, base: str, text_path: str, max_tokens: int, window: int, write: bool) -> dict:
-    import torch
-    import turboquant_hf  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .evaluation import evaluate_folder
 
-    from . import card as tq_card
-    from .evaluation import compare_log_probs, tokenize_text, window_log_probs
-
-    with open(text_path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError):
-        tokenizer = AutoTokenizer.from_pretrained(base)
-    ids = tokenize_text(tokenizer, text, max_tokens)
-    if len(ids) < 2:
-        raise CliError(f"eval: {text_path} gives fewer than 2 tokens")
-    starts = list(range(0, len(ids) - 1, window))
-    logprobs = {}
-    bar = _progress(total=2 * len(starts), desc="eval", unit="window")
-    try:
-        for which, path in (("base", base), ("quantized", directory)):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            model.eval()
-            out = []
-            for s in starts:
-                out += window_log_probs(model, ids[s: s + window + 1], window)
-                bar.update()
-            logprobs[which] = out
-            del model
-    finally:
-        bar.close()
-    report = compare_log_probs(logprobs["base"], logprobs["quantized"], ids, window)
-    result = dict(report.as_dict(), text=os.path.basename(text_path),
-                  text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), max_tokens=max_tokens,
-                  window=window, dtype="float32", base=ckpt.public_source(base),
-                  created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    if write:
-        path = os.path.join(directory, tq_card.EVAL_NAME)
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(path + ".tmp", path)
-    return result
+        return evaluate_folder(directory, base, text_path, max_tokens, window, write,
+                               progress=lambda total: _progress(total=total, desc="eval", unit="window"))
+    except ValueError as e:
+        raise CliError(f"eval: {e}") from e
 
 
 def cmd_eval(args, argv) -> int:
@@ -890,145 +602,12 @@ def cmd_convert(args, argv) -> int:
     return EXIT_OK
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# argument parsing
-def _add_recipe_args(p, default_bits: bool = True) -> None:
-    from .recipes import recipe_names
-
-    g = p.add_argument_group("recipe (pick one of --recipe, --config, or --bits/--group-size)")
-    g.add_argument("--recipe", metavar="NAME", help=f"a named recipe: {', '.join(recipe_names())}")
-    g.add_argument("--config", metavar="FILE", help="a quantization_config JSON file (TurboQuantConfig settings)")
-    g.add_argument("--bits", type=_parse_bits, default=None,
-                   help="bits per weight: 2, 3, 4 or 1.58 (ternary); default 3 (with --recipe: overrides its default)")
-    g.add_argument("--group-size", type=int, choices=(64, 128, 256), default=None,
-                   help="weights per group along the input dimension (default 128)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    fmt_cls = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog="turboquant-hf", formatter_class=fmt_cls, epilog=_EPILOG,
-        description="TurboQuant weight quantization for Hugging Face transformers: quantize a model, evaluate it "
-                    "against its base, write its model card, push it to the Hub, and plan memory before "
-                    "downloading anything.")
-    from . import __version__
-
-    parser.add_argument("--version", action="version", version=f"turboquant-hf {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    p = sub.add_parser("quantize", formatter_class=fmt_cls, epilog=_EPILOG,
-                       help="quantize a model and save it (optionally evaluate and push it)",
-                       description="Load SRC (a local folder or a Hub repo) with a TurboQuant quantization_config, "
-                                   "quantize it while it loads, and save the checkpoint, tokenizer and model card in "
-                                   "--out. The output is written to a hidden temporary folder beside --out and renamed "
-                                   "at the end: an interrupted run leaves no --out behind. Models larger than the "
-                                   "memory budget (or any, with --streaming) go through the streaming converter: "
-                                   "tensor by tensor into shards, with --resume after an interruption.")
-    p.add_argument("src", help="base model: a local folder or a Hub repo id")
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
-    _add_recipe_args(p)
-    p.add_argument("--base-model", metavar="REPO_ID", help="Hub id of the base model for the card's base_model "
-                                                          "(default: SRC when it is a Hub id)")
-    p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"),
-                   help="dtype of the layers kept in full precision (default bfloat16)")
-    p.add_argument("--device", help="cpu, cuda, or auto (device_map); default: cpu when the model is loaded whole, "
-                                    "the best available (cuda if present) for the streaming converter")
-    p.add_argument("--eval", metavar="TEXT", help="a text file: measure perplexity and KL against SRC, into the card")
-    p.add_argument("--max-tokens", type=int, default=1024, help="tokens of --eval text to use (default 1024)")
-    p.add_argument("--window", type=int, default=512, help="evaluation window in tokens (default 512)")
-    p.add_argument("--push-to-hub", metavar="REPO", help="push the result to this Hub repo when done")
-    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
-    g = p.add_argument_group("streaming conversion (a local safetensors folder, tensor by tensor, bounded memory)")
-    g.add_argument("--streaming", action="store_true",
-                   help="use the streaming converter whatever the model's size (default: only when the weights "
-                        "exceed --max-memory, or the available memory)")
-    g.add_argument("--max-memory", type=_parse_size, metavar="SIZE",
-                   help="memory budget, e.g. 24GB: larger models are converted tensor by tensor, using at most this "
-                        "much working memory; refused if smaller than the largest tensor")
-    g.add_argument("--resume", action="store_true",
-                   help="continue an interrupted streaming conversion into the same --out from its finished shards")
-    g.add_argument("--max-shard-size", type=_parse_size, default=5 * 10**9, metavar="SIZE",
-                   help="largest output shard (default 5GB)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_quantize)
-
-    p = sub.add_parser("push", formatter_class=fmt_cls, epilog=_EPILOG,
-                       help="push a TurboQuant checkpoint folder to the Hub with its model card",
-                       description="Upload DIR to the Hub repo REPO in one commit, with a freshly rendered model card "
-                                   "as README.md (files in DIR are not modified). Needs HF_TOKEN with write access.")
-    p.add_argument("dir", help="a folder written by `turboquant-hf quantize` or save_pretrained")
-    p.add_argument("repo", help="Hub repo id (namespace/name, or name for your own namespace)")
-    p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--message", help="commit message")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_push)
-
-    p = sub.add_parser("card", formatter_class=fmt_cls, epilog=_EPILOG,
-                       help="(re)generate DIR/README.md from what is in DIR",
-                       description="Render the model card of the TurboQuant checkpoint in DIR from its files (sizes "
-                                   "from the safetensors headers, recipe from config.json, quality from "
-                                   "turboquant_eval.json) and write it to DIR/README.md.")
-    p.add_argument("dir")
-    p.add_argument("--repo-id", help="the Hub repo the card's usage examples load from")
-    p.add_argument("--base-model", metavar="REPO_ID", help="Hub id of the base model")
-    p.add_argument("--stdout", action="store_true", help="print the card instead of writing README.md")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_card)
-
-    p = sub.add_parser("plan", formatter_class=fmt_cls, epilog=_EPILOG,
-                       help="project memory use from config.json and safetensors headers only",
-                       description="Read config.json and the safetensors headers of SRC (a local folder, or a Hub "
-                                   "repo: only the first bytes of each file are fetched) and project the quantized "
-                                   "weights per tier (exact), the KV cache per token of the full-attention layers, "
-                                   "the constant state of linear-attention layers, and whether it fits a budget. "
-                                   "A checkpoint already quantized with TurboQuant is planned as it is stored: its "
-                                   "bytes and its tiers as written (--recipe, --config, --bits do not apply).")
-    p.add_argument("src", help="a local folder or a Hub repo id")
-    _add_recipe_args(p)
-    p.add_argument("--context", type=int, help="tokens of context to plan for (default: max_position_embeddings)")
-    p.add_argument("--batch", type=int, default=1, help="sequences at once (default 1)")
-    p.add_argument("--kv-dtype", default="bf16", choices=sorted(_DTYPE_BYTES), help="KV cache dtype (default bf16)")
-    p.add_argument("--gpu-gb", type=float, help="GPU memory budget in GB (10^9 bytes); exit code 4 if it does not fit")
-    p.add_argument("--ram-gb", type=float, help="CPU memory budget in GB; exit code 4 if it does not fit")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=cmd_plan)
-
-    p = sub.add_parser("eval", formatter_class=fmt_cls, epilog=_EPILOG,
-                       help="perplexity and KL divergence of a quantized model against its base",
-                       description="Run the base and the quantized model (float32) over the same token windows of "
-                                   "a text file and report both perplexities and the mean KL(base || quantized).")
-    p.add_argument("dir", help="the quantized checkpoint folder")
-    p.add_argument("--base", required=True, help="the base model it was quantized from (folder or Hub repo id)")
-    p.add_argument("--text", required=True, help="a plain-text file")
-    p.add_argument("--max-tokens", type=int, default=1024, help="tokens of text to use (default 1024)")
-    p.add_argument("--window", type=int, default=512, help="window in tokens (default 512)")
-    p.add_argument("--write-card", action="store_true",
-                   help="store the result in DIR/turboquant_eval.json and rewrite DIR/README.md with it")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_eval)
-
-    p = sub.add_parser("convert", formatter_class=fmt_cls, epilog=_EPILOG,
-                       help="requantize a turboquant-mlx checkpoint into the tq3_native layout (lossy)",
-                       description="Load SRC, a turboquant-mlx checkpoint (or a folder saved from one), requantize "
-                                   "each of its quantized layers at its own tier into tq3_native (per-group seed-42 "
-                                   "rotation, as the vLLM plugin serves), save it in --out, and report the error "
-                                   "this adds to the MLX weights (also in --out/turboquant_convert.json).")
-    p.add_argument("src", help="a local folder")
-    p.add_argument("--to", required=True, choices=("tq3_native",), help="the target layout")
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
-    p.add_argument("--group-size", type=int, choices=(64, 128, 256), default=None,
-                   help="tq3_native group size (default: each layer's own, or 64)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                   help="dtype of the layers kept in full precision (default: the checkpoint's)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_convert)
-    return parser
-
-
 def _sigterm(signum, frame):
     raise KeyboardInterrupt
+
+
+COMMANDS = {"quantize": cmd_quantize, "push": cmd_push, "card": cmd_card, "plan": cmd_plan, "eval": cmd_eval,
+            "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1047,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:  # not the main thread
         pass
     try:
-        return args.func(args, argv)
+        return COMMANDS[args.command](args, argv)
     except CliError as e:
         print(f"turboquant-hf {args.command}: error: {e}", file=sys.stderr)
         return e.code
@@ -1060,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, CheckpointError):
             print(f"turboquant-hf {args.command}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
-        if _is_hub_exception(e):
+        if hub_errors.is_hub_exception(e):
             print(f"turboquant-hf {args.command}: error: {_hub_error(e, args.command, 'Retry the command.')}",
                   file=sys.stderr)
             return EXIT_HUB

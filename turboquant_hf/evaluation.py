@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -57,3 +61,52 @@ def compare_log_probs(base_lp, quant_lp, ids: torch.Tensor, window: int = 512) -
 def compare_on_text(base, quantized, ids: torch.Tensor, window: int = 512) -> QualityReport:
     """Perplexity of both models and mean KL(base || quantized) over the same token windows."""
     return compare_log_probs(window_log_probs(base, ids, window), window_log_probs(quantized, ids, window), ids, window)
+
+
+def evaluate_folder(directory: str, base: str, text_path: str, max_tokens: int, window: int, write: bool,
+                    progress=None) -> dict:
+    """Perplexity and mean KL of the quantized model in `directory` against `base` on the text file `text_path`
+    (float32, windows of `window` tokens, at most `max_tokens`); with `write`, stored as the folder's
+    evaluation record for its model card. `progress(total)`: a progress bar to update once per window."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import card as tq_card
+    from .checkpoint import public_source
+
+    with open(text_path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError):
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenize_text(tokenizer, text, max_tokens)
+    if len(ids) < 2:
+        raise ValueError(f"{text_path} gives fewer than 2 tokens")
+    starts = list(range(0, len(ids) - 1, window))
+    logprobs = {}
+    bar = progress(2 * len(starts)) if progress else None
+    try:
+        for which, path in (("base", base), ("quantized", directory)):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model.eval()
+            out = []
+            for s in starts:
+                out += window_log_probs(model, ids[s: s + window + 1], window)
+                if bar is not None:
+                    bar.update()
+            logprobs[which] = out
+            del model
+    finally:
+        if bar is not None:
+            bar.close()
+    report = compare_log_probs(logprobs["base"], logprobs["quantized"], ids, window)
+    result = dict(report.as_dict(), text=os.path.basename(text_path),
+                  text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), max_tokens=max_tokens,
+                  window=window, dtype="float32", base=public_source(base),
+                  created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    if write:
+        path = os.path.join(directory, tq_card.EVAL_NAME)
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(path + ".tmp", path)
+    return result

@@ -1,12 +1,19 @@
-"""Exact quantized sizes of a model before any weight is loaded (the model may live on the meta device)."""
+"""Exact sizes before any weight is loaded: of a model on the meta device (`size_report`), and the memory plan of
+a checkpoint from its safetensors headers (`plan_memory` for quantizing it, `plan_stored_memory` for one already
+quantized): weights per tier, KV cache per token, recurrent state."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from typing import Any
 
 import torch
 
-from . import planning
+from . import card as tq_card
+from . import checkpoint as ckpt
+from . import format as fmt
+from . import layout, planning
 from .config import TurboQuantConfig
 from .modules import TurboQuantWeight
 
@@ -55,3 +62,167 @@ def size_from_config(model_config, config: TurboQuantConfig, model_class=None, d
         else:
             model = model_class._from_config(model_config, dtype=dtype)
     return size_report(apply_plan(model, config))
+
+
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}  # the KV cache's element size, by `--kv-dtype`
+
+
+class PlanError(ValueError):
+    """The headers describe nothing this version can plan."""
+
+
+def _norm_bytes(n_levels: int) -> int:
+    """Bytes of one group norm as written for new tensors (float16 for the ternary tier, float32 otherwise)."""
+
+    dtype = getattr(fmt, "default_norms_dtype", None)
+    return dtype(n_levels).itemsize if dtype is not None else 4
+
+
+def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", context: int | None = None,
+                batch: int = 1) -> dict[str, Any]:
+    """The memory projection of `tensors` quantized with `cfg`: weights per tier (exact), KV cache, recurrent state.
+
+    Sizes are those of the checkpoint (and of the model in CPU memory); `*gpu_bytes` are those on a CUDA device,
+    where ternary weights take the 2-bit runtime layout unless TURBOQUANT_COMPACT_TERNARY is set
+    (`turboquant_hf.layout`)."""
+
+
+    try:
+        quantized = planning.from_headers(config, tensors, cfg)
+    except (ValueError, KeyError) as e:
+        raise PlanError(f"transformers cannot build this model from its config.json ({e})") from e
+    G = cfg.group_size
+    tiers: dict[Any, dict] = {}
+    full_bytes = base_bytes = full_count = 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = ckpt._DTYPE_BYTES.get(dtype, 2) * math.prod(shape)
+        base_bytes += nbytes
+        if name not in quantized:
+            full_bytes += nbytes
+            full_count += 1
+            continue
+        _, bits, rows, in_features = quantized[name]
+        n_levels = fmt.levels_for_bits(bits)
+        groups = rows * -(-in_features // G)
+        packed = groups * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))
+        on_gpu = layout.gpu_bytes_per_group(n_levels, G)
+        t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
+                                    "base_bytes": 0})
+        t["tensors"] += 1
+        t["params"] += rows * in_features
+        t["bytes"] += packed
+        t["gpu_bytes"] += groups * (on_gpu + _norm_bytes(n_levels))
+        t["base_bytes"] += nbytes
+    plan = _plan_weights(tiers, full_bytes, full_count, base_bytes)
+    plan = {"quantization_config": cfg.to_dict(), "already_quantized": False, **plan}
+    return _plan_runtime(plan, config, kv_dtype, context, batch)
+
+
+def _plan_weights(tiers: dict, full_bytes: int, full_count: int, base_bytes: int) -> dict[str, Any]:
+    """The weights part of a plan from its tiers (`{bits: {"bits", "tensors", "params", "bytes", "gpu_bytes",
+    "base_bytes"}}`) and its full-precision tensors."""
+
+    q_bytes = sum(t["bytes"] for t in tiers.values())
+    q_gpu = sum(t["gpu_bytes"] for t in tiers.values())
+    q_params = sum(t["params"] for t in tiers.values())
+    tier_list = [dict(t, label=tq_card.bits_label(t["bits"]), bits_per_weight=round(8 * t["bytes"] / t["params"], 3))
+                 for _, t in sorted(tiers.items(), key=lambda kv_: -kv_[0])]
+    return {
+        "tiers": tier_list, "quantized_bytes": q_bytes, "quantized_params": q_params,
+        "full_precision_bytes": full_bytes, "full_precision_tensors": full_count,
+        "weights_bytes": q_bytes + full_bytes, "weights_gpu_bytes": q_gpu + full_bytes, "base_weights_bytes": base_bytes,
+        "bits_per_weight": round(8 * q_bytes / q_params, 3) if q_params else None,
+    }
+
+
+def _plan_runtime(plan: dict, config: dict, kv_dtype: str, context: int | None, batch: int) -> dict[str, Any]:
+    """`plan` (its weights part) with the KV cache, the recurrent state and the totals added."""
+
+    kv = tq_card.kv_cache_per_token(config, KV_DTYPE_BYTES[kv_dtype])
+    rec = tq_card.recurrent_state_bytes(config, KV_DTYPE_BYTES[kv_dtype])
+    tc = tq_card.text_config(config)
+    context = context or int(tc.get("max_position_embeddings") or 4096)
+    kv_total = kv["bytes"] * context * batch
+    total = plan["weights_bytes"] + kv_total + rec["bytes"] * batch
+    return dict(
+        plan, kv_dtype=kv_dtype, kv_cache_bytes_per_token=kv["bytes"], kv_cache=kv, recurrent_state_bytes=rec["bytes"],
+        recurrent_state=rec, context=context, batch=batch, kv_cache_bytes=kv_total, total_bytes=total,
+        total_gpu_bytes=total - plan["weights_bytes"] + plan["weights_gpu_bytes"])
+
+
+def _stored_quantization_config(config: dict, tq_config: dict | None) -> dict:
+    """The TurboQuant quantization_config a checkpoint declares: config.json's (or its text_config's), else
+    tq_config.json."""
+
+    for cfg in (config, tq_card.text_config(config)):
+        qc = cfg.get("quantization_config")
+        if isinstance(qc, dict) and qc.get("quant_method") == "turboquant":
+            return qc
+    return {k: v for k, v in (tq_config or {}).items() if k != "orig_in_dims"}  # (one entry per padded layer)
+
+
+def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = None, kv_dtype: str = "bf16",
+                       context: int | None = None, batch: int = 1) -> dict[str, Any]:
+    """The memory plan of a checkpoint that is already TurboQuant-quantized, as it is stored: every tensor at its
+    stored bytes (packed uint8 and norms for the quantized weights, the others at their own dtype), each quantized
+    weight in the tier its packed geometry says (`format.levels_from_geometry`), KV cache and state as
+    `plan_memory`. `tensors` is `{name: (safetensors dtype, shape)}`; `tq_config` the checkpoint's tq_config.json
+    (its `orig_in_dims` give the unpadded width of padded layers; without it the padded width counts)."""
+
+
+    qc = _stored_quantization_config(config, tq_config)
+    group_size = int(qc.get("group_size") or (tq_config or {}).get("group_size") or 128)
+    orig_in = (tq_config or {}).get("orig_in_dims") or {}
+    tc = tq_card.text_config(config)
+    base_dtype = str(tc.get("dtype") or tc.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+                     or "bfloat16").replace("torch.", "")
+    base_dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(base_dtype, 2)
+    index = {name: {"dtype": dtype, "shape": tuple(shape)} for name, (dtype, shape) in tensors.items()}
+
+    def nbytes(name: str) -> int:
+        dtype = index[name]["dtype"]
+        if dtype not in ckpt._DTYPE_BYTES:
+            raise PlanError(f"tensor {name} has the unknown safetensors dtype {dtype}")
+        return ckpt._DTYPE_BYTES[dtype] * math.prod(index[name]["shape"])
+
+    tiers: dict[Any, dict] = {}
+    quantized_names: set[str] = set()
+    base_bytes = 0
+    for key in ckpt.packed_weight_keys(index):
+        norms = index.get(key + fmt.NORMS_SUFFIX)
+        if norms is None or len(norms["shape"]) != 2:
+            raise PlanError(f"{key}{fmt.PACKED_SUFFIX} has no {fmt.NORMS_SUFFIX} of shape (rows, groups) beside "
+                           f"it (found {norms['shape'] if norms else 'none'})")
+        rows, n_groups = norms["shape"]
+        names = [key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX]
+        try:
+            if key + ".tq_codebook" in index and key + ".tq_signs" in index:
+                # whole-row Hadamard modules (from turboquant-mlx): their own codebook, signs and group size
+                in_features = index[key + ".tq_signs"]["shape"][0]
+                n_levels, g, _ = ckpt.check_hadamard_tensor(index, key, rows, in_features)
+                names += [key + ".tq_codebook", key + ".tq_signs"]
+            else:
+                module = key[: -len(".weight")] if key.endswith(".weight") else key
+                g = group_size
+                in_features = orig_in.get(key) or orig_in.get(module) or n_groups * g
+                n_levels, _ = ckpt.check_packed_tensor(index, key, rows, in_features, g)
+        except ckpt.CheckpointError as e:
+            raise PlanError(f"{e}") from e
+        bits = fmt.bits_for_levels(n_levels)
+        stored = sum(nbytes(n) for n in names)
+        # a CUDA device holds the packed codes in the runtime layout where one exists (ternary: 2-bit codes)
+        gpu_extra = rows * n_groups * (layout.gpu_bytes_per_group(n_levels, g) - fmt.bytes_per_group(n_levels, g))
+        t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
+                                    "base_bytes": 0})
+        t["tensors"] += 1
+        t["params"] += rows * in_features
+        t["bytes"] += stored
+        t["gpu_bytes"] += stored + gpu_extra
+        t["base_bytes"] += rows * in_features * base_dtype_bytes
+        base_bytes += rows * in_features * base_dtype_bytes
+        quantized_names.update(names)
+    full = [n for n in index if n not in quantized_names]
+    full_bytes = sum(nbytes(n) for n in full)
+    plan = _plan_weights(tiers, full_bytes, len(full), base_bytes + full_bytes)
+    plan = {"quantization_config": qc, "already_quantized": True, "group_size": group_size, **plan}
+    return _plan_runtime(plan, config, kv_dtype, context, batch)
