@@ -18,9 +18,12 @@ bit-exactness.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
 
@@ -162,6 +165,63 @@ _CHUNK_ELEMENTS = 1 << 24
 _CPU_BLOCK_ELEMENTS = 1 << 18
 # Groups whose sum of squares falls outside [_SMALLEST_SUM, inf) are scaled by a power of two first.
 _SMALLEST_SUM = 2.0**-100
+# Weights below which a CPU block is not split further to give every worker thread a share.
+_CPU_MIN_SPLIT_ELEMENTS = 1 << 15
+
+
+class _CPUWorkers:
+    """Threads that quantize CPU blocks with one torch thread each, for callers with several torch threads.
+
+    A block is some 70 small elementwise operations. Left to torch's intra-op threads, each of them is a fork and
+    join of the OpenMP team, and the join waits for any of its threads that another process has taken the core
+    from: a scheduler time slice (several ms) at a large share of the operations on a busy machine, seconds per
+    weight. Whole blocks on single-threaded workers wait at most once per call. Each worker keeps its own buffers
+    (`GroupQuantizer._storage`)."""
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _shared: ClassVar[dict] = {}  # number of workers -> _CPUWorkers
+    _pid: ClassVar[int | None] = None  # the process whose threads _shared holds
+
+    def __init__(self, n: int):
+        self.n = n
+        # torch.set_num_threads(1) in the workers also sets the count that threads started later begin with:
+        # read that count first, and set it back afterwards from a thread of its own (the caller's is left alone)
+        with ThreadPoolExecutor(1) as probe:
+            default = probe.submit(torch.get_num_threads).result()
+        self.pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="turboquant-quantize")
+        ready = threading.Barrier(n + 1)
+        for _ in range(n):  # every thread started and single-threaded before the first block
+            self.pool.submit(self._single_threaded, ready)
+        ready.wait()
+        with ThreadPoolExecutor(1) as restore:
+            restore.submit(torch.set_num_threads, default).result()
+
+    @staticmethod
+    def _single_threaded(ready: threading.Barrier) -> None:
+        torch.set_num_threads(1)
+        ready.wait()
+
+    @classmethod
+    def get(cls, n: int) -> _CPUWorkers:
+        """The shared workers, `n` of them (made again in a forked child, which has none of the threads)."""
+        with cls._lock:
+            if cls._pid != os.getpid():
+                cls._shared, cls._pid = {}, os.getpid()
+            if n not in cls._shared:
+                cls._shared[n] = cls(n)
+            return cls._shared[n]
+
+    def run(self, fn, spans) -> None:
+        """fn(start, stop) for every span; once all are done, the error of the first span that failed is raised."""
+        futures = [self.pool.submit(fn, a, b) for a, b in spans]
+        try:
+            wait(futures)
+        except BaseException:  # interrupted: drop the blocks not started
+            for f in futures:
+                f.cancel()
+            raise
+        for f in futures:
+            f.result()
 
 
 def _halves(g: int) -> list[int]:
@@ -210,7 +270,8 @@ class GroupQuantizer:
 
     The groups of a block sit one per column of `(G, groups)` buffers, so that every step (the tree's levels,
     the butterflies, the comparisons, the packing) runs along contiguous memory; on CPU the blocks are sized for
-    the caches, and each thread keeps its buffers and their views from one call to the next.
+    the caches, each runs single-threaded (on the shared `_CPUWorkers` where the caller has several torch
+    threads), and each thread keeps its buffers and their views from one call to the next.
     """
 
     def __init__(self, bits, group_size: int, device=None):
@@ -247,14 +308,36 @@ class GroupQuantizer:
             out = (torch.empty(total, self.bytes_per_group, dtype=torch.uint8, device=x.device),
                    torch.empty(rows, n_groups, dtype=torch.float32, device=x.device))
         packed, norms = out
-        if total:
-            block = max(1, (_CPU_BLOCK_ELEMENTS if self.device.type == "cpu" else _CHUNK_ELEMENTS) // g)
+        if not total:
+            return packed, norms
+        flat_norms = norms.view(-1)
+        source = (x, name, first_row)
+        if self.device.type != "cpu":
+            block = max(1, _CHUNK_ELEMENTS // g)
             storage = self._storage(min(total, block))
-            flat_norms = norms.view(-1)
             for start in range(0, total, block):
                 stop = min(total, start + block)
                 self._block(self._views(storage, stop - start), groups[start:stop], packed[start:stop],
-                            flat_norms[start:stop], (x, name, first_row))
+                            flat_norms[start:stop], source)
+            return packed, norms
+        # CPU: blocks of equal size within the cache budget, rounded up to a multiple of the worker threads while
+        # they stay above the smallest size worth splitting
+        threads = torch.get_num_threads()
+        n_blocks = -(-total // max(1, _CPU_BLOCK_ELEMENTS // g))
+        if threads > 1:
+            n_blocks = max(n_blocks, min(-(-n_blocks // threads) * threads, total * g // _CPU_MIN_SPLIT_ELEMENTS))
+        block = -(-total // n_blocks)
+
+        def run(start: int, stop: int) -> None:
+            self._block(self._views(self._storage(block), stop - start), groups[start:stop], packed[start:stop],
+                        flat_norms[start:stop], source)
+
+        spans = [(start, min(total, start + block)) for start in range(0, total, block)]
+        if threads == 1:  # already single-threaded (as the converter's workers are): here, in order
+            for start, stop in spans:
+                run(start, stop)
+        else:
+            _CPUWorkers.get(threads).run(run, spans)
         return packed, norms
 
     def rotate(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
