@@ -258,9 +258,9 @@ def test_save_reload_is_bit_exact(fixtures, kind, recipe, tmp_path):
     model.save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:
         config = json.load(f)
-    assert config["quantization_config"]["format"] == rotation.HADAMARD_FORMAT and "quantization" not in config
+    assert config["quantization_config"]["format"] == fmt.HADAMARD_FORMAT and "quantization" not in config
     with open(tmp_path / "tq_config.json") as f:
-        assert json.load(f)["format"] == rotation.HADAMARD_FORMAT
+        assert json.load(f)["format"] == fmt.HADAMARD_FORMAT
     card = (tmp_path / "README.md").read_text()
     assert "- tq_hadamard" in card and "loaded from a turboquant-mlx" in card and "seed 42" not in card
     saved = load_file(tmp_path / "model.safetensors")
@@ -299,7 +299,7 @@ def test_config_without_mlx_block_loads_the_same(fixtures, tmp_path):
 
     bare = _copy_checkpoint(d, tmp_path / "bare", edit_config=strip)
     again = AutoModelForCausalLM.from_pretrained(bare, quantization_config=TurboQuantConfig(), dtype=torch.float32)
-    assert again.config.quantization_config.format == rotation.HADAMARD_FORMAT
+    assert again.config.quantization_config.format == fmt.HADAMARD_FORMAT
     a, b = model.state_dict(), again.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # and passing a config to a checkpoint that declares its own works as for tq3_native checkpoints

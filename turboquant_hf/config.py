@@ -9,7 +9,6 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import format as fmt
 from .checkpoint import public_source
-from .rotation import HADAMARD_FORMAT, HADAMARD_GROUP_SIZES
 
 QUANT_METHOD = "turboquant"
 
@@ -71,10 +70,10 @@ class TurboQuantConfig(QuantizationConfigMixin):
             )
         if quant_method != QUANT_METHOD:
             raise ValueError(f"TurboQuantConfig: quant_method must be {QUANT_METHOD!r}, got {quant_method!r}")
-        if format not in (fmt.FORMAT_NAME, HADAMARD_FORMAT):
+        if format not in (fmt.FORMAT_NAME, fmt.HADAMARD_FORMAT):
             raise ValueError(
                 f"TurboQuantConfig: format {format!r} is not supported by this version (supported: {fmt.FORMAT_NAME!r}, "
-                f"{HADAMARD_FORMAT!r})"
+                f"{fmt.HADAMARD_FORMAT!r})"
             )
         if quantizer_seed != fmt.QUANTIZER_SEED:
             raise ValueError(
@@ -83,11 +82,11 @@ class TurboQuantConfig(QuantizationConfigMixin):
             )
         self.quant_method = QUANT_METHOD
         self.bits = fmt.check_bits(bits)
-        if format == HADAMARD_FORMAT:
+        if format == fmt.HADAMARD_FORMAT:
             # loaded from turboquant-mlx checkpoints only: bits and group size are per tensor, from the files
-            if isinstance(group_size, bool) or group_size not in HADAMARD_GROUP_SIZES:
-                raise ValueError(f"group_size must be one of {', '.join(map(str, HADAMARD_GROUP_SIZES))} for format "
-                                 f"{HADAMARD_FORMAT!r}, got {group_size!r}")
+            if isinstance(group_size, bool) or group_size not in fmt.HADAMARD_GROUP_SIZES:
+                raise ValueError(f"group_size must be one of {', '.join(map(str, fmt.HADAMARD_GROUP_SIZES))} for format "
+                                 f"{fmt.HADAMARD_FORMAT!r}, got {group_size!r}")
             self.group_size = int(group_size)
         else:
             self.group_size = fmt.check_group_size(group_size)
@@ -180,7 +179,7 @@ class TurboQuantConfig(QuantizationConfigMixin):
                              "'hadamard', 'blockwise_hadamard')")
         bits = block.get("bits", 3)
         return cls(bits=bits if bits in fmt.BITS else 3, group_size=block.get("group_size", 64),
-                   format=HADAMARD_FORMAT)
+                   format=fmt.HADAMARD_FORMAT)
 
     @classmethod
     def from_tq_config(cls, tq_config: dict[str, Any]) -> "TurboQuantConfig":

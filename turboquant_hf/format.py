@@ -21,6 +21,10 @@ PACKED_SUFFIX = ".tq_packed"
 NORMS_SUFFIX = ".tq_norms"
 
 GROUP_SIZES = (64, 128, 256)
+# The checkpoint layout of modules rotated over whole rows (turboquant-mlx; `quantization_config.format`), and
+# its group sizes (turboquant-mlx writes 16 to 128; the group only sets how many weights share a scale).
+HADAMARD_FORMAT = "tq_hadamard"
+HADAMARD_GROUP_SIZES = (16, 32, 64, 128, 256)
 TERNARY = 1.58
 BITS = (TERNARY, 2, 3, 4)
 # Lloyd-Max level for N(0, 1) with three levels; the codebook is {-c, 0, +c} / sqrt(G).

@@ -33,12 +33,11 @@ shifts and masks, where the published layout needs about four operations per ind
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import codec
 from . import format as fmt
+from . import settings
 
 # codebook size -> indices per unit (one word at 2 and 4 bits, three at 3 bits; ternary digits as 2-bit codes)
 UNITS = {3: 16, 4: 16, 8: 32, 16: 8}
@@ -54,7 +53,7 @@ def supports(n_levels: int, group_size: int) -> bool:
 def wanted(n_levels: int, group_size: int) -> bool:
     """Whether such weights take the runtime layout on a GPU: those that have one, except ternary weights
     while `TURBOQUANT_COMPACT_TERNARY` is set (to anything but 0)."""
-    if n_levels == 3 and os.environ.get("TURBOQUANT_COMPACT_TERNARY", "0") not in ("", "0"):
+    if n_levels == 3 and settings.compact_ternary():
         return False
     return supports(n_levels, group_size)
 

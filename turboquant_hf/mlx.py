@@ -187,9 +187,9 @@ class MLXLayout:
             raise CheckpointError(f"{path}.scales: expected float {list(lead) + ['n_groups']} with n_groups dividing "
                                   f"{in_features}, found {sc['dtype']} {list(sc['shape'])}")
         group_size = in_features // sc["shape"][-1]
-        if group_size not in _hadamard_group_sizes() or (n_levels == 8 and group_size % 8):
+        if group_size not in fmt.HADAMARD_GROUP_SIZES or (n_levels == 8 and group_size % 8):
             raise CheckpointError(f"{path}.scales: group size {group_size} is not supported (supported: "
-                                  f"{_hadamard_group_sizes()})")
+                                  f"{fmt.HADAMARD_GROUP_SIZES})")
         return {"levels": n_levels, "group_size": group_size, "in": in_features, "shape": lead + (in_features,)}
 
     # -- names ---------------------------------------------------------------------------------------------------
@@ -335,12 +335,6 @@ class MLXLayout:
         scales = read(path + ".scales")
         target.load_packed_(packed.to(device), scales.reshape(-1, scales.shape[-1]).to(device),
                             read(path + ".codebook").to(device), read(path + ".signs").to(device))
-
-
-def _hadamard_group_sizes():
-    from .rotation import HADAMARD_GROUP_SIZES
-
-    return HADAMARD_GROUP_SIZES
 
 
 def _dtype(info: dict) -> torch.dtype:

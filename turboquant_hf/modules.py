@@ -76,9 +76,9 @@ class TurboQuantWeight(nn.Module):
         self.rows = rows
         self.in_features = in_features
         if rotation == "hadamard":
-            if group_size not in rotation_.HADAMARD_GROUP_SIZES or in_features % group_size:
+            if group_size not in fmt.HADAMARD_GROUP_SIZES or in_features % group_size:
                 raise ValueError(f"group_size {group_size!r} does not divide the input width {in_features} into one of "
-                                 f"the supported group sizes {rotation_.HADAMARD_GROUP_SIZES}")
+                                 f"the supported group sizes {fmt.HADAMARD_GROUP_SIZES}")
             self.group_size = int(group_size)
         else:
             self.group_size = fmt.check_group_size(group_size)

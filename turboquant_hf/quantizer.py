@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
@@ -13,7 +12,7 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
-from . import mlx, planning, saving
+from . import mlx, planning, saving, settings
 from .config import TurboQuantConfig
 from .fusion import fuse_projections
 from .modules import TurboQuantExperts, TurboQuantWeight, to_norms_dtype
@@ -26,7 +25,7 @@ except ImportError as e:  # pragma: no cover - guarded by setup.py's requirement
     raise ImportError("turboquant_hf needs transformers >= 5.17") from e
 
 
-class TurboQuantize(ConversionOps):
+class QuantizeOnLoad(ConversionOps):
     """On-the-fly conversion of one full-precision `X.weight` into `X.weight.tq_packed` + `X.weight.tq_norms`."""
 
     def __init__(self, hf_quantizer: "TurboQuantHfQuantizer"):
@@ -119,18 +118,17 @@ class TurboQuantHfQuantizer(HfQuantizer):
         """A turboquant-mlx checkpoint: plan its modules, and read every tensor ourselves after loading."""
         from collections import Counter
 
-        from .rotation import HADAMARD_FORMAT
-
+        
         config = model.config
         layout = mlx.MLXLayout(self.checkpoint_index, model_type=getattr(config, "model_type", None))
         plan = layout.plan(model)
         self.pre_quantized = True
-        if self.quantization_config.format != HADAMARD_FORMAT:
+        if self.quantization_config.format != fmt.HADAMARD_FORMAT:
             # (config.json without its MLX quantization block): describe what the files hold
             tiers = Counter((i["levels"], i["group_size"]) for i in layout.quantized.values())
             (levels, group_size), _ = tiers.most_common(1)[0]
             self.quantization_config = TurboQuantConfig(bits=fmt.bits_for_levels(levels), group_size=group_size,
-                                                        format=HADAMARD_FORMAT)
+                                                        format=fmt.HADAMARD_FORMAT)
             config.quantization_config = self.quantization_config
         self.modules_to_not_convert = None
         plan.apply(model, awaiting_weights=False)
@@ -157,7 +155,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         return super().param_element_size(model, param_name, param)
 
     def get_quantize_ops(self):
-        return TurboQuantize(self)
+        return QuantizeOnLoad(self)
 
     # -- after loading -------------------------------------------------------------------------------------------
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -184,7 +182,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
                 module.use_runtime_layout_()
         self._restore_requested_dtype(model)
         self._dequantize_into_parameters(model)
-        if os.environ.get("TURBOQUANT_FUSE", "1") != "0":  # q/k/v and gate/up as one op each on a GPU
+        if settings.fuse_projections():  # q/k/v and gate/up as one op each on a GPU
             fuse_projections(model, device_type="cuda")
         _drop_expert_converters_for_saving(model)
         for p in model.parameters():

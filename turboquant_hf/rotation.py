@@ -40,10 +40,6 @@ _HADAMARD_ROWS = {
 }
 BASE_ORDERS = (1, 12, 20, 28)
 
-# The checkpoint layout of modules rotated this way (`quantization_config.format`), and its group sizes
-# (turboquant-mlx writes 16 to 128; the group only sets how many weights share a scale).
-HADAMARD_FORMAT = "tq_hadamard"
-HADAMARD_GROUP_SIZES = (16, 32, 64, 128, 256)
 
 
 def _is_power_of_two(n: int) -> bool:
