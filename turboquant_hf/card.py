@@ -372,6 +372,50 @@ def _fp_summary(groups: list[tuple[str, int]], limit: int = 6) -> str:
     return ", ".join(parts) if parts else "nothing"
 
 
+def _memory_context(config: dict, ternary_on_gpu_differs: bool) -> dict[str, Any]:
+    """The card's memory section: KV cache per token and at a few contexts, recurrent state, notes."""
+    kv = kv_cache_per_token(config, 2)
+    rec = recurrent_state_bytes(config, 2)
+    tc = text_config(config)
+    max_ctx = int(tc.get("max_position_embeddings") or 0)
+    contexts = [c for c in (4096, 32768, 131072) if not max_ctx or c <= max_ctx] or [max_ctx]
+    if max_ctx and max_ctx not in contexts and max_ctx <= 1_048_576:
+        contexts.append(max_ctx)
+    memory = {
+        "kv_per_token": kv["bytes"], "kv_per_token_h": f"{kv['bytes']:,} bytes", "kv_dtype": "bf16",
+        "kv_explain": (f"{kv['layers']} attention layer{'s' if kv['layers'] != 1 else ''} × {kv['kv_heads']} KV "
+                       f"head{'s' if kv['kv_heads'] != 1 else ''} × head_dim {kv['head_dim']} × "
+                       f"2 (K and V) × 2 bytes"),
+        "contexts": [{"tokens_h": f"{c:,}", "bytes_h": human_bytes(c * kv["bytes"])} for c in contexts if c],
+        "recurrent_bytes": rec["bytes"], "recurrent_h": human_bytes(rec["bytes"]) if rec["bytes"] else "",
+        "recurrent_explain": (f"The {rec['layers']} linear-attention layer{'s' if rec['layers'] != 1 else ''} keep a "
+                              "fixed-size recurrent state instead of a KV cache." if rec["bytes"] else ""),
+    }
+    notes = []
+    if kv["bytes"]:
+        notes.append(f"The KV cache comes from {memory['kv_explain']}.")
+    if rec["bytes"]:
+        notes.append(memory["recurrent_explain"])
+    if ternary_on_gpu_differs:
+        notes.append("On a GPU the ternary weights are held as 2-bit codes, which the faster kernels read; "
+                     "`TURBOQUANT_COMPACT_TERNARY=1` keeps them at their size on disk (slower kernels).")
+    notes.append("The KV cache is not quantized; add activations and the framework's overhead on top.")
+    memory["notes"] = " ".join(notes)
+    return memory
+
+
+def _reproduce_command(qc: dict, recipe: str | None, base_ref: str, out_name: str) -> str:
+    """A command that reproduces the weights (rather than the build's own command line, whose paths are local)."""
+    if recipe:
+        opts = f"--recipe {recipe}" + (f" --group-size {qc['group_size']}" if qc.get("group_size", 128) != 128 else "")
+    elif any(qc.get(k) is not None for k in ("module_bits", "expert_bits", "sensitive_patterns",
+                                                "modules_to_not_convert")):
+        opts = "--config quantization_config.json   # the JSON above"
+    else:
+        opts = f"--bits {qc.get('bits')} --group-size {qc.get('group_size', 128)}"
+    return f"turboquant-hf quantize {base_ref} --out {out_name} {opts}"
+
+
 def card_context(directory: str, repo_id: str | None = None, base_model: str | None = None,
                  base_metadata: dict | None = None, name: str | None = None,
                  source_dir: str | None = None) -> dict[str, Any]:
@@ -427,45 +471,11 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
         full_precision_summary=_fp_summary(size["full_precision_tensors"]),
         files=[dict(f, size_h=human_bytes(f["size"])) for f in size["files"]],
     )
-    kv = kv_cache_per_token(config, 2)
-    rec = recurrent_state_bytes(config, 2)
-    tc = text_config(config)
-    max_ctx = int(tc.get("max_position_embeddings") or 0)
-    contexts = [c for c in (4096, 32768, 131072) if not max_ctx or c <= max_ctx] or [max_ctx]
-    if max_ctx and max_ctx not in contexts and max_ctx <= 1_048_576:
-        contexts.append(max_ctx)
-    memory = {
-        "kv_per_token": kv["bytes"], "kv_per_token_h": f"{kv['bytes']:,} bytes", "kv_dtype": "bf16",
-        "kv_explain": (f"{kv['layers']} attention layer{'s' if kv['layers'] != 1 else ''} × {kv['kv_heads']} KV "
-                       f"head{'s' if kv['kv_heads'] != 1 else ''} × head_dim {kv['head_dim']} × "
-                       f"2 (K and V) × 2 bytes"),
-        "contexts": [{"tokens_h": f"{c:,}", "bytes_h": human_bytes(c * kv["bytes"])} for c in contexts if c],
-        "recurrent_bytes": rec["bytes"], "recurrent_h": human_bytes(rec["bytes"]) if rec["bytes"] else "",
-        "recurrent_explain": (f"The {rec['layers']} linear-attention layer{'s' if rec['layers'] != 1 else ''} keep a "
-                              "fixed-size recurrent state instead of a KV cache." if rec["bytes"] else ""),
-    }
-    notes = []
-    if kv["bytes"]:
-        notes.append(f"The KV cache comes from {memory['kv_explain']}.")
-    if rec["bytes"]:
-        notes.append(memory["recurrent_explain"])
-    if size_ctx["gpu_bytes_h"]:
-        notes.append("On a GPU the ternary weights are held as 2-bit codes, which the faster kernels read; "
-                     "`TURBOQUANT_COMPACT_TERNARY=1` keeps them at their size on disk (slower kernels).")
-    notes.append("The KV cache is not quantized; add activations and the framework's overhead on top.")
-    memory["notes"] = " ".join(notes)
+    memory = _memory_context(config, bool(size_ctx["gpu_bytes_h"]))
     config_code, recipe = _config_code(qc)  # the recipe the stored config equals, if any
     base_ref = base_model or "path/to/base-model"
     out_name = repo_ref.split("/")[-1]
-    # a command that reproduces the weights (the build's own command line, in turboquant_build.json, names local paths)
-    if recipe:
-        opts = f"--recipe {recipe}" + (f" --group-size {qc['group_size']}" if qc.get("group_size", 128) != 128 else "")
-    elif any(qc.get(k) is not None for k in ("module_bits", "expert_bits", "sensitive_patterns",
-                                                "modules_to_not_convert")):
-        opts = "--config quantization_config.json   # the JSON above"
-    else:
-        opts = f"--bits {qc.get('bits')} --group-size {qc.get('group_size', 128)}"
-    command = f"turboquant-hf quantize {base_ref} --out {out_name} {opts}"
+    command = _reproduce_command(qc, recipe, base_ref, out_name)
     versions = build.get("versions") or _versions()
     if config.get("transformers_version"):
         versions = dict(versions)
