@@ -278,3 +278,37 @@ def test_checkpoint_for_another_architecture(saved_dir, tmp_path):
     save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"extra_proj\.weight\.tq_packed: no matching layer"):
         AutoModelForCausalLM.from_pretrained(d)
+
+
+@pytest.mark.parametrize("skip", [["down_proj"], []], ids=["down_proj", "empty"])
+def test_tied_head_with_a_custom_skip_list(skip, tmp_path):
+    """A tied output head stays tied and in full precision whatever modules_to_not_convert says; the model
+    saves and reloads to the same logits."""
+    from conftest import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True)).save_pretrained(tmp_path / "src")
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "src",
+                                             quantization_config=TurboQuantConfig(bits=4, modules_to_not_convert=skip))
+    assert type(q.lm_head) is torch.nn.Linear and q.lm_head.weight is q.model.embed_tokens.weight
+    assert isinstance(q.model.layers[0].mlp.up_proj, TurboQuantLinear)
+    assert isinstance(q.model.layers[0].mlp.down_proj, TurboQuantLinear) == (skip == [])
+    q.save_pretrained(tmp_path / "q")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert again.lm_head.weight is again.model.embed_tokens.weight
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, q(ids).logits)
+
+
+def test_tied_head_named_in_module_bits_stays_tied(tmp_path, caplog):
+    from conftest import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True)).save_pretrained(tmp_path / "src")
+    cfg = TurboQuantConfig(bits=3, modules_to_not_convert=[], module_bits={"lm_head": 4})
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=cfg)
+    assert type(q.lm_head) is torch.nn.Linear and q.lm_head.weight is q.model.embed_tokens.weight
+    assert "lm_head is tied to the input embeddings and stays in full precision" in caplog.text

@@ -120,11 +120,15 @@ def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
     """The plan of quantizing `model` with `config`: every `nn.Linear` and fused experts module not skipped."""
     skip = skip_patterns(model, config)
     activation = activation_of(model)
+    tied = tied_linears(model)
     plan = Plan()
     for name, module in model.named_modules():
         if matches_any(name, skip):
             continue
         if type(module) is nn.Linear:
+            if name in tied:
+                _warn_if_named(name, config, logger)
+                continue
             plan.linears[name] = LinearPlan(config.bits_for(name), config.group_size)
         elif name.rpartition(".")[2] == "experts" and not isinstance(module, nn.ModuleList):
             if fused_experts_geometry(module) is None or activation not in ACTIVATIONS:
@@ -139,6 +143,21 @@ def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
             plan.experts[name] = ExpertsPlan(config.bits_for(name + ".gate_up_proj"),
                                              config.bits_for(name + ".down_proj"), config.group_size, activation)
     return plan
+
+
+def tied_linears(model) -> set[str]:
+    """Linear modules whose weight transformers ties to another parameter (an output head tied to the input
+    embeddings)."""
+    keys = getattr(model, "all_tied_weights_keys", None) or {}
+    return {k[: -len(".weight")] for k in keys if k.endswith(".weight")}
+
+
+def _warn_if_named(name: str, config: TurboQuantConfig, logger) -> None:
+    """A tied head stays tied and in full precision (a tied checkpoint stores only the embeddings, so there is no
+    head weight of its own to quantize); say so when the config asks for it by name."""
+    if logger is not None and any(re.search(pattern, name) for pattern in config.module_bits):
+        logger.warning("TurboQuant: %s is tied to the input embeddings and stays in full precision, although "
+                       "module_bits names it", name)
 
 
 # ---------------------------------------------------------------------------------------------------------------
