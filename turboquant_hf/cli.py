@@ -606,8 +606,41 @@ def _sigterm(signum, frame):
     raise KeyboardInterrupt
 
 
+def cmd_dequantize(args, argv) -> int:
+    """A TurboQuant checkpoint back to an ordinary one: every quantized weight as the values the model computes with."""
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and not args.force:
+        raise CliError(f"dequantize: --out {args.out} exists (use --force to replace it)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _say(args, f"loading {args.src}")
+    model = AutoModelForCausalLM.from_pretrained(args.src)
+    if getattr(model, "hf_quantizer", None) is None or model.config.quantization_config.quant_method != "turboquant":
+        raise CliError(f"dequantize: {args.src} is not a TurboQuant checkpoint")
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else model.get_input_embeddings().weight.dtype
+    model.dequantize(dtype=dtype)
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out) + ".", dir=os.path.dirname(out))
+    try:
+        model.save_pretrained(tmp)
+        try:
+            AutoTokenizer.from_pretrained(args.src).save_pretrained(tmp)
+        except (OSError, ValueError) as e:
+            _say(args, f"note: no tokenizer saved ({e})")
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    params = sum(p.numel() for p in model.parameters())
+    _emit(args, {"out": out, "dtype": str(dtype).replace("torch.", ""), "params": params},
+          f"wrote {out}: {params:,} parameters in {str(dtype).replace('torch.', '')}, no quantization_config")
+    return EXIT_OK
+
+
 COMMANDS = {"quantize": cmd_quantize, "push": cmd_push, "card": cmd_card, "plan": cmd_plan, "eval": cmd_eval,
-            "convert": cmd_convert}
+            "convert": cmd_convert, "dequantize": cmd_dequantize}
 
 
 def main(argv: list[str] | None = None) -> int:

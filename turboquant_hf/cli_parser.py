@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(sub, fmt_cls)
     _eval_parser(sub, fmt_cls)
     _convert_parser(sub, fmt_cls)
+    _dequantize_parser(sub, fmt_cls)
     return parser
 
 
@@ -187,5 +188,19 @@ def _convert_parser(sub, fmt_cls) -> None:
                    help="tq3_native group size (default: each layer's own, or 64)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                    help="dtype of the layers kept in full precision (default: the checkpoint's)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _dequantize_parser(sub, fmt_cls) -> None:
+    p = sub.add_parser("dequantize", formatter_class=fmt_cls, epilog=_EPILOG,
+                       help="write a TurboQuant checkpoint back as an ordinary one (no quantization_config)",
+                       description="Load SRC (a TurboQuant folder or Hub repo), replace every quantized module by the "
+                                   "plain module it stands for, holding the weights the quantized model computes with, "
+                                   "and save that in --out with the tokenizer: a checkpoint any transformers loads.")
+    p.add_argument("src", help="a TurboQuant checkpoint: a local folder or a Hub repo id")
+    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="dtype of the restored weights (default: that of the embeddings)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

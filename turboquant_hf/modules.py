@@ -397,6 +397,8 @@ def replace_experts_modules(model: nn.Module, plan: dict, awaiting_weights: bool
         if awaiting_weights:
             new.gate_up_proj.awaiting_dtype = old.gate_up_proj.dtype
             new.down_proj.awaiting_dtype = old.down_proj.dtype
+        # the module it replaces (its weights on the meta device: no memory), for `restore_plain_modules`
+        new.__dict__["replaced_module"] = old
         model.set_submodule(name, new)
     return len(plan)
 
@@ -425,3 +427,40 @@ def replace_linear_modules(model: nn.Module, plan: dict, awaiting_weights: bool)
 def quantize_linear_(module: TurboQuantLinear, weight: torch.Tensor, name: str = "weight") -> None:
     """Fill `module` from a full-precision weight (used outside from_pretrained, e.g. by tests and tools)."""
     module.weight.load_packed_(*codec.quantize_weight(weight, module.bits, module.group_size, name=name))
+
+
+def restore_plain_modules(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every TurboQuant module of `model` by the plain module it stands for, holding the weights it
+    computes with (`dequantize`) in `dtype`: a `TurboQuantLinear` by an `nn.Linear`, a `TurboQuantExperts` by
+    the transformers experts module it replaced. Returns the number of modules restored."""
+    from .fusion import unfuse_projections
+
+    unfuse_projections(model)
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, TurboQuantLinear):
+            w = module.weight
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=w.device, dtype=dtype)
+            plain.weight = nn.Parameter(w.dequantize(dtype).view(w.source_shape), requires_grad=False)
+            if module.bias is not None:
+                plain.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
+        elif isinstance(module, TurboQuantExperts):
+            plain = module.__dict__.get("replaced_module")
+            if plain is None:
+                raise ValueError(f"{name}: built outside from_pretrained, this TurboQuantExperts does not know the "
+                                 "experts module it stands for")
+            if module.rotation == "hadamard":
+                gate, up = (getattr(module, n).dequantize(dtype).view(getattr(module, n).source_shape)
+                            for n in ("gate_proj", "up_proj"))
+                gate_up = torch.cat([gate, up], dim=1)
+            else:
+                gate_up = module.gate_up_proj.dequantize(dtype).view(module.gate_up_proj.source_shape)
+            plain.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+            plain.down_proj = nn.Parameter(module.down_proj.dequantize(dtype).view(module.down_proj.source_shape),
+                                           requires_grad=False)
+        else:
+            continue
+        model.set_submodule(name, plain)
+        count += 1
+    return count

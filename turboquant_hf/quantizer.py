@@ -226,6 +226,18 @@ class TurboQuantHfQuantizer(HfQuantizer):
             )
             setattr(owner, attr, nn.Parameter(w.view(param.shape).to(param.device), requires_grad=False))
 
+    # -- dequantize() --------------------------------------------------------------------------------------------
+    def _dequantize(self, model, dtype=None):
+        """`model.dequantize()`: every TurboQuant module becomes the plain module it replaced, holding the weights it
+        computed with, in `dtype`; the model then saves as an ordinary checkpoint."""
+        from .modules import restore_plain_modules
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        restore_plain_modules(model, dtype if isinstance(dtype, torch.dtype) else torch.float32)
+        saving.remove_save_hooks(model)
+        return model
+
     # -- saving --------------------------------------------------------------------------------------------------
     def is_serializable(self, *args, **kwargs):
         return True

@@ -148,3 +148,9 @@ def install_save_hooks(model) -> None:
     instance attributes keep the model's class (and its name) intact."""
     model.save_pretrained = types.MethodType(_save_pretrained_with_tq_config, model)
     model.push_to_hub = types.MethodType(_push_to_hub, model)
+
+
+def remove_save_hooks(model) -> None:
+    """Back to transformers' own `save_pretrained` and `push_to_hub` (a dequantized model is an ordinary one)."""
+    model.__dict__.pop("save_pretrained", None)
+    model.__dict__.pop("push_to_hub", None)
