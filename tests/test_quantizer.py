@@ -312,3 +312,22 @@ def test_tied_head_named_in_module_bits_stays_tied(tmp_path, caplog):
     q = AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=cfg)
     assert type(q.lm_head) is torch.nn.Linear and q.lm_head.weight is q.model.embed_tokens.weight
     assert "lm_head is tied to the input embeddings and stays in full precision" in caplog.text
+
+
+def test_task_heads_stay_in_full_precision_by_default():
+    """The default skip list keeps every model's output head: classification, QA and LM heads alike; a user list
+    replaces the default."""
+    from transformers import (BertConfig, BertForQuestionAnswering, BertForSequenceClassification, LlamaConfig,
+                              LlamaForSequenceClassification)
+
+    from turboquant_hf import planning
+
+    bert = BertConfig(vocab_size=100, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=256, num_labels=3)
+    llama = LlamaConfig(vocab_size=100, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=2, intermediate_size=256, num_labels=3, pad_token_id=0)
+    for model, head in ((BertForSequenceClassification(bert), "classifier"), (BertForQuestionAnswering(bert), "qa_outputs"),
+                        (LlamaForSequenceClassification(llama), "score")):
+        plan = planning.from_config(model, TurboQuantConfig(bits=4))
+        assert head not in plan.linears and len(plan.linears) >= 6, (type(model).__name__, sorted(plan.linears))
+        assert head in planning.from_config(model, TurboQuantConfig(bits=4, modules_to_not_convert=[])).linears

@@ -83,16 +83,36 @@ def matches_any(name: str, patterns) -> bool:
 
 
 def skip_patterns(model, config: TurboQuantConfig) -> list[str]:
-    """The modules `config` keeps in full precision in `model`."""
+    """The modules `config` keeps in full precision in `model`: the user's list, or by default the package's
+    defaults, transformers' own (tied and output embeddings) and the model's output heads (`head_modules`)."""
     from transformers.quantizers.base import HfQuantizer
 
     skip = config.modules_to_not_convert
-    return HfQuantizer.get_modules_to_not_convert(
+    patterns = HfQuantizer.get_modules_to_not_convert(
         model,
         list(DEFAULT_MODULES_TO_NOT_CONVERT) if skip is None else skip,
         getattr(model, "_keep_in_fp32_modules", None),
         add_default_skips=skip is None,
     )
+    return patterns + sorted(head_modules(model)) if skip is None else patterns
+
+
+def head_modules(model) -> set[str]:
+    """The output heads of a task model: its output embeddings, every Linear outside its base model (`lm_head`,
+    `classifier`, `score`, `qa_outputs`, ...), and the module of its last parameter."""
+    heads = set()
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    prefix = getattr(model, "base_model_prefix", "")
+    has_base = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
+    for name, module in model.named_modules():
+        if output is not None and module is output:
+            heads.add(name)
+        elif has_base and isinstance(module, nn.Linear) and name != prefix and not name.startswith(prefix + "."):
+            heads.add(name)
+    names = [n for n, _ in model.named_parameters()]
+    if names:
+        heads.add(names[-1].rpartition(".")[0])
+    return {h for h in heads if h}
 
 
 def activation_of(model) -> str:
