@@ -331,3 +331,20 @@ def test_task_heads_stay_in_full_precision_by_default():
         plan = planning.from_config(model, TurboQuantConfig(bits=4))
         assert head not in plan.linears and len(plan.linears) >= 6, (type(model).__name__, sorted(plan.linears))
         assert head in planning.from_config(model, TurboQuantConfig(bits=4, modules_to_not_convert=[])).linears
+
+
+def test_num_parameters_counts_the_weights_packed_tensors_encode(tiny_llama_dir, tmp_path):
+    from test_moe import qwen3_5_moe
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    q = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=3))
+    assert q.num_parameters() == base.num_parameters() == sum(p.numel() for p in base.parameters())
+    assert q.num_parameters(only_trainable=True) == 0  # everything is frozen after loading
+    assert q.num_parameters(exclude_embeddings=True) == base.num_parameters(exclude_embeddings=True)
+    torch.manual_seed(0)
+    moe = qwen3_5_moe()
+    moe.save_pretrained(tmp_path / "moe")
+    qm = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", quantization_config=TurboQuantConfig(bits=3))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
+    assert qm.num_parameters() == plain.num_parameters()
+    assert qm.dequantize().num_parameters() == plain.num_parameters()

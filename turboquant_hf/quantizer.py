@@ -188,6 +188,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         for p in model.parameters():
             p.requires_grad_(False)
         saving.install_save_hooks(model)
+        model.num_parameters = types.MethodType(_num_parameters, model)
         return model
 
     def raise_conversion_failures(self) -> None:
@@ -289,3 +290,10 @@ def _drop_expert_converters_for_saving(model) -> None:
     ]
 
 
+def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """transformers' count, plus the weights each TurboQuant tensor encodes (frozen: not trainable), so that a
+    quantized model reports the parameter count of the model it stands for."""
+    total = type(self).num_parameters(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+    if only_trainable:
+        return total
+    return total + sum(m.rows * m.in_features for m in self.modules() if isinstance(m, TurboQuantWeight))

@@ -151,6 +151,7 @@ def install_save_hooks(model) -> None:
 
 
 def remove_save_hooks(model) -> None:
-    """Back to transformers' own `save_pretrained` and `push_to_hub` (a dequantized model is an ordinary one)."""
-    model.__dict__.pop("save_pretrained", None)
-    model.__dict__.pop("push_to_hub", None)
+    """Back to transformers' own `save_pretrained`, `push_to_hub` and `num_parameters` (a dequantized model is an
+    ordinary one)."""
+    for name in ("save_pretrained", "push_to_hub", "num_parameters"):
+        model.__dict__.pop(name, None)
