@@ -348,3 +348,43 @@ def test_num_parameters_counts_the_weights_packed_tensors_encode(tiny_llama_dir,
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
     assert qm.num_parameters() == plain.num_parameters()
     assert qm.dequantize().num_parameters() == plain.num_parameters()
+
+
+def test_gpt2_conv1d_layers(tmp_path):
+    """GPT-2's Conv1D layers (weights stored (in, out)) quantize like Linears: the layer error of 4 bits, a
+    bit-exact save and reload, a pipeline, the parameter count, and dequantize() back to Conv1D."""
+    from conftest import make_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=1, eos_token_id=2))
+    base.save_pretrained(tmp_path / "src")
+    make_tokenizer(str(tmp_path / "src"))
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=TurboQuantConfig(bits=4))
+    layers = [n for n, m in q.named_modules() if isinstance(m, TurboQuantLinear)]
+    assert len(layers) == 8 and not any(isinstance(m, Conv1D) for m in q.modules())
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = q.transformer.h[0].attn.c_attn(x), base.transformer.h[0].attn.c_attn(x)
+    assert 0.05 < ((got - want).norm() / want.norm()).item() < 0.15  # 4-bit Lloyd-Max: about 0.1
+    assert q.num_parameters() == base.num_parameters()
+    q.save_pretrained(tmp_path / "q")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = q(ids).logits
+        assert torch.equal(again(ids).logits, expected)
+    out = pipeline("text-generation", model=str(tmp_path / "q"))("the a of", max_new_tokens=3, do_sample=False)
+    assert out[0]["generated_text"].startswith("the a of")
+    plain = again.dequantize(dtype=torch.float32)
+    assert isinstance(plain.transformer.h[0].attn.c_attn, Conv1D)
+    with torch.no_grad():
+        assert ((plain(ids).logits - expected).norm() / expected.norm()).item() < 1e-4
+
+
+def test_model_with_nothing_to_quantize_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no layer this version quantizes"):
+        AutoModelForCausalLM.from_pretrained(
+            tiny_llama_dir, quantization_config=TurboQuantConfig(modules_to_not_convert=["model", "lm_head"]))

@@ -94,6 +94,13 @@ class TurboQuantWeight(nn.Module):
         # While a full-precision checkpoint loads, the state dict advertises the source tensor (its parent's
         # name for it, e.g. `q_proj.weight`) in this dtype, so the loader hands it to the quantize op.
         self.awaiting_dtype: torch.dtype | None = None
+        # The source is stored `(in, out)` (GPT-2's `Conv1D`): transposed before it is quantized.
+        self.source_transposed = False
+
+    @property
+    def checkpoint_shape(self) -> tuple:
+        """The shape of the full-precision tensor in a checkpoint."""
+        return self.source_shape[::-1] if self.source_transposed else self.source_shape
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -103,7 +110,7 @@ class TurboQuantWeight(nn.Module):
             if prefix + name in destination:
                 destination[prefix + name] = own_storage(destination[prefix + name])
         if self.awaiting_dtype is not None:
-            destination[prefix[:-1]] = torch.empty(self.source_shape, dtype=self.awaiting_dtype, device="meta")
+            destination[prefix[:-1]] = torch.empty(self.checkpoint_shape, dtype=self.awaiting_dtype, device="meta")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         runtime = layout.is_runtime(self.tq_packed)
@@ -404,12 +411,15 @@ def replace_experts_modules(model: nn.Module, plan: dict, awaiting_weights: bool
 
 
 def replace_linear_modules(model: nn.Module, plan: dict, awaiting_weights: bool) -> int:
-    """Swap every `nn.Linear` named in `plan` (`{name: planning.LinearPlan}`) for a TurboQuantLinear."""
+    """Swap every `nn.Linear` (or GPT-2 `Conv1D`, whose weight is stored `(in, out)`) named in `plan`
+    (`{name: planning.LinearPlan}`) for a TurboQuantLinear."""
     for name, p in plan.items():
         linear = model.get_submodule(name)
+        transposed = is_conv1d(linear)
+        in_features, out_features = linear.weight.shape if transposed else linear.weight.shape[::-1]
         new = TurboQuantLinear(
-            linear.in_features,
-            linear.out_features,
+            in_features,
+            out_features,
             bias=linear.bias is not None,
             bits=p.bits,
             group_size=p.group_size,
@@ -418,10 +428,18 @@ def replace_linear_modules(model: nn.Module, plan: dict, awaiting_weights: bool)
             norms_dtype=p.norms_dtype,
             rotation=p.rotation,
         )
+        new.weight.source_transposed = transposed
         if awaiting_weights:
             new.weight.awaiting_dtype = linear.weight.dtype
         model.set_submodule(name, new)
     return len(plan)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2 family): a Linear whose weight is stored transposed, `(in, out)`."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
 
 
 def quantize_linear_(module: TurboQuantLinear, weight: torch.Tensor, name: str = "weight") -> None:
@@ -440,9 +458,16 @@ def restore_plain_modules(model: nn.Module, dtype: torch.dtype) -> int:
     for name, module in list(model.named_modules()):
         if isinstance(module, TurboQuantLinear):
             w = module.weight
-            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=w.device, dtype=dtype)
-            plain.weight = nn.Parameter(w.dequantize(dtype).view(w.source_shape), requires_grad=False)
+            weight = w.dequantize(dtype).view(w.source_shape)
+            if w.source_transposed:
+                from transformers.pytorch_utils import Conv1D
+
+                plain = Conv1D(module.out_features, module.in_features).to(device=w.device, dtype=dtype)
+                weight = weight.t().contiguous()
+            else:
+                plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                  device=w.device, dtype=dtype)
+            plain.weight = nn.Parameter(weight, requires_grad=False)
             if module.bias is not None:
                 plain.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
         elif isinstance(module, TurboQuantExperts):

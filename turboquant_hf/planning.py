@@ -25,7 +25,7 @@ from . import checkpoint as ckpt
 from . import format as fmt
 from .activations import ACTIVATIONS
 from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
-from .modules import fused_experts_geometry, replace_experts_modules, replace_linear_modules
+from .modules import fused_experts_geometry, is_conv1d, replace_experts_modules, replace_linear_modules
 
 GROUPS = "groups"  # rotation per quantization group (tq3_native)
 HADAMARD = "hadamard"  # whole-row rotation (turboquant-mlx)
@@ -145,7 +145,7 @@ def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
     for name, module in model.named_modules():
         if matches_any(name, skip):
             continue
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear or is_conv1d(module):
             if name in tied:
                 _warn_if_named(name, config, logger)
                 continue
@@ -210,12 +210,14 @@ def from_checkpoint(model, index: dict, config: TurboQuantConfig) -> Plan:
         owner_name, _, attr = model_key.rpartition(".")
         owner = model.get_submodule(owner_name)
         source_shape = tuple(meta[model_key].shape)
+        if is_conv1d(owner) and attr == "weight":
+            source_shape = source_shape[::-1]  # stored (in, out)
         rows = 1
         for d in source_shape[:-1]:
             rows *= d
         n_levels, norms_dtype = ckpt.check_packed_tensor(index, key, rows, source_shape[-1], group_size)
         bits = fmt.bits_for_levels(n_levels)
-        if type(owner) is nn.Linear and attr == "weight":
+        if (type(owner) is nn.Linear or is_conv1d(owner)) and attr == "weight":
             plan.linears[owner_name] = LinearPlan(bits, group_size, norms_dtype)
         elif attr in ("gate_up_proj", "down_proj") and fused_experts_geometry(owner) is not None:
             experts_keys.setdefault(owner_name, {})[attr] = (key, bits, norms_dtype)

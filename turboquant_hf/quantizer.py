@@ -38,11 +38,14 @@ class QuantizeOnLoad(ConversionOps):
             target = model.get_submodule(key)  # the TurboQuantWeight that replaces this tensor
             if missing_keys is not None:
                 missing_keys.discard(key)
-            if tuple(value.shape) != target.source_shape:
+            if tuple(value.shape) != target.checkpoint_shape:
                 self.hf_quantizer.conversion_failures[key] = (
-                    f"{key}: checkpoint tensor has shape {tuple(value.shape)}, the model expects {target.source_shape}"
+                    f"{key}: checkpoint tensor has shape {tuple(value.shape)}, the model expects "
+                    f"{target.checkpoint_shape}"
                 )
                 continue
+            if target.source_transposed:
+                value = value.t()
             try:
                 packed, norms = codec.quantize_weight(value, target.bits, target.group_size, name=key)
             except ValueError as e:
@@ -108,6 +111,11 @@ class TurboQuantHfQuantizer(HfQuantizer):
             self.dequantize_into = plan.dequantize_into
         else:
             plan = planning.from_config(model, self.quantization_config, logger=logger)
+            if not plan.linears and not plan.experts:
+                raise ValueError(
+                    f"TurboQuant: {type(model).__name__} has no layer this version quantizes (nn.Linear, GPT-2 Conv1D "
+                    "or fused MoE experts) outside modules_to_not_convert; nothing would be quantized"
+                )
         self.modules_to_not_convert = None
         plan.apply(model, awaiting_weights=not self.pre_quantized)
         if not self.pre_quantized:
@@ -267,7 +275,7 @@ def _resolve_placeholders_while_loading(model) -> None:
             except AttributeError:
                 sub = None
             if isinstance(sub, TurboQuantWeight) and sub.awaiting_dtype is not None:
-                return torch.empty(sub.source_shape, dtype=sub.awaiting_dtype, device="meta")
+                return torch.empty(sub.checkpoint_shape, dtype=sub.awaiting_dtype, device="meta")
             raise
 
     model.get_parameter_or_buffer = types.MethodType(get_parameter_or_buffer, model)
