@@ -29,8 +29,11 @@ setup(
     ],
     extras_require={
         "gpu": ["triton>=3.2"],
+        "peft": ["peft>=0.17"],
         "test": [
             "pytest>=8",
+            # LoRA adapters on TurboQuant layers (turboquant_hf.lora)
+            "peft>=0.17",
             "gguf>=0.10",
             "scipy",
             # the independent reference implementation of the format (pure Python, runs on CPU)

@@ -33,7 +33,8 @@ def _op(name: str):
 
     A plain library op rather than `torch.library.custom_op`: the dispatcher calls the implementation
     directly, where a custom op wraps every call in Python for autograd, several times the cost of a small
-    decode step. The ops have no autograd formula (inference only)."""
+    decode step. `turboquant::linear` has an autograd formula for its input (`linear_input_grad`; the packed
+    weight is frozen)."""
 
     def define(fn):
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
@@ -98,6 +99,56 @@ def turboquant_linear(
 @torch.library.register_fake("turboquant::linear")
 def _(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
     return x.new_empty(*x.shape[:-1], norms.shape[0])
+
+
+@_op("linear_input_grad")
+def turboquant_linear_input_grad(
+    grad: torch.Tensor,
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    codebook: torch.Tensor,
+    signs1: torch.Tensor,
+    signs2: torch.Tensor,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """The gradient of `turboquant::linear` with respect to x: `grad[..., rows] @ W` -> `[..., in_features]`
+    (float32 accumulation). The weight is frozen: it has no gradient. Computed in the rotated basis, where the
+    codebook lives (`grad @ W_rot`, one weight block at a time), then rotated back per group."""
+    rows, n_groups = norms.shape
+    lead = grad.shape[:-1]
+    g2 = grad.reshape(-1, rows).to(torch.float32)
+    nf, cb = norms.float(), codebook.float()
+    block = max(1, _REFERENCE_BLOCK_ELEMENTS // (n_groups * group_size))
+    g_rot = g2.new_zeros(g2.shape[0], n_groups * group_size)
+    for start in range(0, rows, block):
+        stop = min(rows, start + block)
+        chunk = layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
+        g_rot += g2[:, start:stop] @ codec.rotated_weight(chunk, nf[start:stop], cb, group_size)
+    gx = codec.unrotate_groups(g_rot.view(-1, n_groups, group_size), signs1.float(), signs2.float())
+    return gx.reshape(-1, n_groups * group_size)[:, :in_features].to(grad.dtype).reshape(*lead, in_features)
+
+
+@torch.library.register_fake("turboquant::linear_input_grad")
+def _(grad, packed, norms, codebook, signs1, signs2, group_size, in_features):
+    return grad.new_empty(*grad.shape[:-1], in_features)
+
+
+def _linear_setup_context(ctx, inputs, output):
+    x, packed, norms, codebook, signs1, signs2, group_size, in_features = inputs
+    ctx.save_for_backward(packed, norms, codebook, signs1, signs2)
+    ctx.shape = (group_size, in_features)
+
+
+def _linear_backward(ctx, grad):
+    packed, norms, codebook, signs1, signs2 = ctx.saved_tensors
+    gx = None
+    if ctx.needs_input_grad[0]:
+        gx = torch.ops.turboquant.linear_input_grad(grad, packed, norms, codebook, signs1, signs2, *ctx.shape)
+    return gx, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("turboquant::linear", _linear_backward, setup_context=_linear_setup_context)
 
 
 

@@ -253,7 +253,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        """Adapters train on a frozen TurboQuant base (`turboquant_hf.lora`)."""
+        return True
 
     @property
     def is_compileable(self) -> bool:

@@ -1,0 +1,114 @@
+"""QLoRA-style fine-tuning: LoRA adapters on a frozen TurboQuant base, through PEFT's custom-module mechanism."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear
+
+peft = pytest.importorskip("peft")
+lora = pytest.importorskip("turboquant_hf.lora")
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+# gradients of the same adapter on the packed base and on a plain copy holding its dequantized weights: the same
+# function, multiplied in another order (float32)
+GRAD_RTOL = 1e-4
+
+
+def _config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, 256, (4, 24), generator=g)
+
+
+@pytest.fixture
+def base(tiny_llama_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=4),
+                                                dtype=torch.float32)
+
+
+def test_adapter_gradients_match_the_dequantized_model(base):
+    plain = copy.deepcopy(base).dequantize(dtype=torch.float32)
+    torch.manual_seed(0)
+    model = lora.get_peft_model(base, _config())
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(plain, _config())
+    wrapped = [m for m in model.modules() if isinstance(m, lora.TurboQuantLoraLinear)]
+    assert len(wrapped) == 3 * 2 and all(isinstance(m.base_layer, TurboQuantLinear) for m in wrapped)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    ids = _batch()
+    for m in (model, reference):
+        m(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    ref = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == ref.keys()
+    for n in grads:
+        assert ((grads[n] - ref[n]).norm() / ref[n].norm()).item() < GRAD_RTOL, n
+
+
+def test_train_save_reload_merge(base, tiny_llama_dir, tmp_path):
+    import warnings
+
+    torch.manual_seed(0)
+    model = lora.get_peft_model(base, _config())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = _batch()
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecated autograd fallback on the TurboQuant op
+        for _ in range(12):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path / "adapter")
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=4),
+                                                 dtype=torch.float32)
+    again = lora.load_adapter(fresh, str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, expected)
+    merged = again.merge_and_unload()
+    assert not any(isinstance(m, TurboQuantLinear) for n, m in merged.named_modules() if n.endswith(tuple(TARGETS)))
+    assert isinstance(merged.model.layers[0].mlp.up_proj, TurboQuantLinear)  # layers without adapters stay packed
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-4
+
+
+def test_trainer_accepts_the_adapter_model(base, tmp_path):
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            ids = _batch()[i % 4]
+            return {"input_ids": ids, "labels": ids}
+
+    model = lora.get_peft_model(base, _config())
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    result = Trainer(model=model, args=args, train_dataset=Tokens()).train()
+    assert result.global_step == 2
+
+
+def test_dora_is_refused_clearly(base):
+    config = _config()
+    config.use_dora = True
+    with pytest.raises(ValueError, match="DoRA"):
+        lora.get_peft_model(base, config)

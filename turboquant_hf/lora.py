@@ -1,0 +1,143 @@
+"""LoRA adapters on TurboQuant layers (QLoRA-style fine-tuning with PEFT).
+
+The packed base weight stays frozen; the adapter's `lora_B(lora_A(x))` is added to the base output, and the
+gradient flows through the base layer into earlier layers through `turboquant::linear`'s backward
+(`ops.turboquant_linear_input_grad`). PEFT is told about the layer type through its custom-module mechanism
+(`LoraConfig._register_custom_module`), which `register` applies to a config:
+
+    from peft import LoraConfig, get_peft_model
+    import turboquant_hf.lora
+
+    config = turboquant_hf.lora.register(LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(model, config)                     # or turboquant_hf.lora.get_peft_model(model, config)
+    ...
+    model = turboquant_hf.lora.load_adapter(base, "adapter")  # a saved adapter onto a TurboQuant base
+
+`merge_and_unload()` merges into a dequantized layer: the base weight is rebuilt from its packed form, the adapter's
+update added, and the layer becomes a plain `nn.Linear` (`unmerge` gives the packed layer back).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+try:
+    from peft.tuners.lora import LoraConfig
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.tuners_utils import check_adapters_to_merge
+except ImportError as e:  # pragma: no cover - peft is optional
+    raise ImportError("turboquant_hf.lora needs the peft package: pip install peft") from e
+
+from .modules import TurboQuantLinear
+
+
+class TurboQuantLoraLinear(nn.Module, LoraLayer):
+    """A LoRA adapter around a `TurboQuantLinear` (or, once merged, the plain `nn.Linear` it became)."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, r: int = 0,
+                 lora_alpha: int = 1, **kwargs) -> None:
+        if config.lora_bias:
+            raise ValueError("TurboQuantLoraLinear does not support lora_bias; set it to False")
+        super().__init__()
+        LoraLayer.__init__(self, base_layer)
+        self.fan_in_fan_out = False
+        self._quantized_base: TurboQuantLinear | None = None
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        return module.in_features, module.out_features
+
+    def _get_base_layer_device_and_dtype(self, base_layer):
+        """The device of the packed weight; no dtype (the adapter keeps its own, float32 unless cast)."""
+        if isinstance(base_layer, TurboQuantLinear):
+            return base_layer.weight.tq_packed.device, None
+        return super()._get_base_layer_device_and_dtype(base_layer)
+
+    def resolve_lora_variant(self, *, config: LoraConfig, **kwargs):
+        if config.use_dora or getattr(config, "velora_config", None) is not None:
+            raise ValueError("LoRA variants (DoRA, VeLoRA) are not supported on TurboQuant layers; use plain LoRA")
+        return None
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        return (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) * self.scaling[adapter]
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Merge into a dequantized layer: the packed base becomes an `nn.Linear` holding its weights plus the
+        adapters' updates (the packed layer is kept for `unmerge`)."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        base = self.get_base_layer()
+        if isinstance(base, TurboQuantLinear):
+            dtype = base.bias.dtype if base.bias is not None else self.lora_A[adapter_names[0]].weight.dtype
+            plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
+                              device=base.weight.device, dtype=dtype)
+            plain.weight = nn.Parameter(base.weight.dequantize(dtype), requires_grad=False)
+            if base.bias is not None:
+                plain.bias = nn.Parameter(base.bias.detach().clone(), requires_grad=False)
+            self._quantized_base = base
+            self.base_layer = base = plain
+        for adapter in adapter_names:
+            if adapter not in self.lora_A:
+                continue
+            merged = base.weight.data + self.get_delta_weight(adapter).to(base.weight.dtype)
+            if safe_merge and not torch.isfinite(merged).all():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter} seems to be broken")
+            base.weight.data = merged
+            self.merged_adapters.append(adapter)
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        self.merged_adapters.clear()
+        if self._quantized_base is not None:
+            self.base_layer, self._quantized_base = self._quantized_base, None
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        if kwargs.pop("adapter_names", None) is not None:
+            raise ValueError("TurboQuantLoraLinear does not support mixed adapter batches (adapter_names)")
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return result
+        for adapter in self.active_adapters:
+            if adapter not in self.lora_A:
+                continue
+            lora_A, lora_B = self.lora_A[adapter], self.lora_B[adapter]
+            update = lora_B(lora_A(self.lora_dropout[adapter](self._cast_input_dtype(x, lora_A.weight.dtype))))
+            result = result + (update * self.scaling[adapter]).to(result.dtype)
+        return result
+
+    def __repr__(self) -> str:
+        return "lora." + super().__repr__()
+
+
+def register(config: LoraConfig) -> LoraConfig:
+    """Tell PEFT to wrap `TurboQuantLinear` targets of `config` in `TurboQuantLoraLinear`; returns `config`."""
+    config._register_custom_module({TurboQuantLinear: TurboQuantLoraLinear})
+    return config
+
+
+def get_peft_model(model, config: LoraConfig, **kwargs):
+    """`peft.get_peft_model` with the TurboQuant layers registered in `config`."""
+    import peft
+
+    return peft.get_peft_model(model, register(config), **kwargs)
+
+
+def load_adapter(model, adapter: str, is_trainable: bool = False, **kwargs):
+    """`PeftModel.from_pretrained(model, adapter)` onto a TurboQuant base (a folder or Hub repo of an adapter)."""
+    from peft import PeftConfig, PeftModel
+
+    config = register(PeftConfig.from_pretrained(adapter, **{k: v for k, v in kwargs.items() if k in ("revision",
+                                                                                                     "token")}))
+    return PeftModel.from_pretrained(model, adapter, config=config, is_trainable=is_trainable, **kwargs)
