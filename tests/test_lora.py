@@ -112,3 +112,28 @@ def test_dora_is_refused_clearly(base):
     config.use_dora = True
     with pytest.raises(ValueError, match="DoRA"):
         lora.get_peft_model(base, config)
+
+
+def test_moe_model_adapters_train_through_packed_experts(tmp_path):
+    """On a hybrid MoE model the adapters' gradients flow back through the packed routed experts (the experts
+    op's backward) and equal those on the dequantized model."""
+    from test_moe import qwen3_5_moe
+
+    torch.manual_seed(0)
+    qwen3_5_moe().save_pretrained(tmp_path / "src")
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=TurboQuantConfig(bits=4, group_size=64),
+                                             dtype=torch.float32)
+    plain = copy.deepcopy(q).dequantize(dtype=torch.float32)
+    config = dict(r=4, lora_alpha=8, target_modules=["in_proj_qkv", "out_proj", "o_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    model = lora.get_peft_model(q, peft.LoraConfig(**config))
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(plain, peft.LoraConfig(**config))
+    ids = _batch()
+    for m in (model, reference):
+        m(input_ids=ids, labels=ids).loss.backward()
+    ref = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads.keys() == ref.keys() and any("layers.0." in n for n in grads)
+    for n in grads:
+        assert ((grads[n] - ref[n]).norm() / ref[n].norm()).item() < GRAD_RTOL, n

@@ -110,3 +110,54 @@ def test_kernels_subpackage_is_not_a_top_level_module():
     # (another distribution's top-level `kernels`, e.g. in a virtual environment inside the checkout, is fine)
     ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels") + os.sep
     assert spec is None or not str(spec.origin or spec.submodule_search_locations).startswith(ours)
+
+
+@pytest.mark.parametrize("bits, g, in_features", [(3, 64, 200), (4, 128, 256), (fmt.TERNARY, 64, 128), (2, 256, 300)])
+def test_linear_backward_is_the_dequantized_product(bits, g, in_features):
+    """d(x @ W.T)/dx = grad @ W with W the weight the packed tensors encode (the weight itself is frozen); no
+    deprecated autograd fallback."""
+    import warnings
+
+    lin = TurboQuantLinear(in_features, 48, bias=True, bits=bits, group_size=g)
+    quantize_linear_(lin, torch.randn(48, in_features, generator=torch.Generator().manual_seed(g)))
+    torch.nn.init.normal_(lin.bias)
+    w = lin.weight.dequantize(torch.float64)
+    x = torch.randn(2, 5, in_features, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = lin(x.float()).double()
+        gy = torch.randn_like(y)
+        (y * gy).sum().backward()
+    ref = gy @ w
+    assert ((x.grad - ref).norm() / ref.norm()).item() < 2e-6
+
+
+def test_moe_experts_backward_matches_dense_experts():
+    """Gradients of the routed experts op for the hidden states and the routing weights equal those of a dense
+    float64 computation with the dequantized experts."""
+    from turboquant_hf.modules import TurboQuantExperts
+
+    e, h, i, g, k, t = 4, 128, 64, 64, 2, 6
+    gen = torch.Generator().manual_seed(0)
+    m = TurboQuantExperts(e, h, i, 3, 4, g, "silu")
+    m.gate_up_proj.load_packed_(*codec.quantize_weight(torch.randn(e, 2 * i, h, generator=gen), 3, g))
+    m.down_proj.load_packed_(*codec.quantize_weight(torch.randn(e, h, i, generator=gen), 4, g))
+    w_gu = m.gate_up_proj.dequantize(torch.float64).view(e, 2 * i, h)
+    w_dn = m.down_proj.dequantize(torch.float64).view(e, h, i)
+    x = torch.randn(t, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    index = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = m(x.float(), index, weights.float()).double()
+    gy = torch.randn_like(y)
+    (y * gy).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    rows = []
+    for tok in range(t):
+        row = 0
+        for slot in range(k):
+            a = w_gu[index[tok, slot]] @ x2[tok]
+            row = row + w2[tok, slot] * (w_dn[index[tok, slot]] @ (torch.nn.functional.silu(a[:i]) * a[i:]))
+        rows.append(row)
+    (torch.stack(rows) * gy).sum().backward()
+    for got, want in ((x.grad, x2.grad), (weights.grad, w2.grad)):
+        assert ((got - want).norm() / want.norm()).item() < 2e-6

@@ -250,6 +250,31 @@ def _(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up
     return torch.empty_like(hidden)
 
 
+def _moe_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))
+    ctx.settings = tuple(t for t in inputs if not isinstance(t, torch.Tensor))  # group_size, num_experts, activation
+
+
+def _moe_backward(ctx, grad):
+    """Gradients for the hidden states and the routing weights (the packed experts are frozen): the reference
+    forward again, with autograd, on the saved inputs."""
+    hidden, top_k_index, top_k_weights, *packed = ctx.saved_tensors
+    with torch.enable_grad():
+        h = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
+        w = top_k_weights.detach().requires_grad_(ctx.needs_input_grad[2])
+        wanted = [t for t in (h, w) if t.requires_grad]
+        if not wanted:
+            return (None,) * 14
+        out = turboquant_moe_experts(h, top_k_index, w, *packed, *ctx.settings)
+        grads = iter(torch.autograd.grad(out, wanted, grad))
+    gh = next(grads) if h.requires_grad else None
+    gw = next(grads) if w.requires_grad else None
+    return (gh, None, gw) + (None,) * 11
+
+
+torch.library.register_autograd("turboquant::moe_experts", _moe_backward, setup_context=_moe_setup_context)
+
+
 # -- whole-row Hadamard rotation (turboquant-mlx checkpoints) --------------------------------------------------------
 # Same codebook product; only the rotation of the activations differs: one per module over the whole input row
 # (blocks of m * 2^k), with the module's stored +-1 signs, and a per-module codebook tensor.
