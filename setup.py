@@ -32,6 +32,7 @@ setup(
         "peft": ["peft>=0.17"],
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3",  # the interpreter kernel tests on both cores
             # LoRA adapters on TurboQuant layers (turboquant_hf.lora)
             "peft>=0.17",
             "gguf>=0.10",

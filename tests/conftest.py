@@ -95,3 +95,11 @@ def shakespeare():
     from offline_assets import shakespeare_text
 
     return shakespeare_text()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that take an interpreted kernels module (the `L` / `M` fixtures of test_kernels.py) form the
+    `interpreter` group."""
+    for item in items:
+        if {"L", "M"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.interpreter)

@@ -79,7 +79,8 @@ def L():
     if triton is None:
         pytest.skip("triton is not installed")
     if not _INTERPRETED:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: covered by test_interpreter_in_subprocess")
+        pytest.fail("the interpreter tests need TRITON_INTERPRET=1 set before Python starts (transformers imports "
+                    "triton first): TRITON_INTERPRET=1 python -m pytest -m interpreter tests/test_kernels.py")
     import turboquant_hf.kernels as kpkg
 
     old = os.environ.get("TRITON_INTERPRET")
@@ -997,34 +998,6 @@ def test_lookup_dequantization(L, bits, g):
     with pytest.raises(ValueError, match="4-, 8- and 16-entry"):
         t_packed, t_norms, t_cb, *_ = _weight(4, 64, fmt.TERNARY, 64, seed=1)
         L.dequantize_lut(t_packed, t_norms, t_cb, 64, torch.float32)
-
-
-@pytest.mark.skipif(triton is None or _INTERPRETED, reason="the interpreter tests ran in this process")
-def test_interpreter_in_subprocess():
-    """When another test module imported triton first (transformers does), rerun the interpreter tests in fresh
-    processes, where this module sets TRITON_INTERPRET=1 before triton is imported: the tests split among up to
-    four processes, one per core (the interpreter runs on one core; this is most of the suite's time)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    select = ["-p", "no:cacheprovider", "-k", "not cuda and not subprocess"]
-    listed = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "--collect-only", "-q", *select],
-                            env=env, capture_output=True, text=True, timeout=600, cwd=root)
-    ids = [line for line in listed.stdout.splitlines() if "::" in line]
-    assert listed.returncode == 0 and ids, listed.stdout[-3000:] + listed.stderr[-3000:]
-    workers = max(1, min(4, os.cpu_count() or 1, len(ids)))
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids[i::workers]],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
-             for i in range(workers)]
-    outs = [p.communicate(timeout=2400)[0] for p in procs]
-    passed = 0
-    for p, out in zip(procs, outs):
-        print(out[-3000:])
-        assert p.returncode == 0, out[-5000:]
-        summary = out.strip().splitlines()[-1]
-        assert " passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
-        passed += int(summary.split(" passed")[0].split()[-1])
-    assert passed == len(ids), (passed, len(ids))  # every collected test ran and passed, none twice
 
 
 # ---------------------------------------------------------------------------
