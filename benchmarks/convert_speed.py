@@ -1,4 +1,4 @@
-"""Speed of the streaming converter (`turboquant_hf.converter.TurboQuantizer`) on a synthetic Llama checkpoint.
+"""Speed of the streaming converter (`turboquant_hf.streaming.StreamingQuantizer`) on a synthetic Llama checkpoint.
 
 Writes a bf16 checkpoint with real layer shapes (hidden 2048, intermediate 5632, 32 heads, 4 KV heads, vocabulary
 32000: about 44M weights a layer) and random values, then measures on the chosen device:
@@ -78,7 +78,7 @@ def write_synthetic_llama(directory: str, layers: int, shard_bytes: int = 2 * 10
     Values are random (std 0.02; norms 1); each shape draws `variants` random tensors that the layers take in
     turn, so that writing a large checkpoint costs little more than the disk. Returns {"bytes", "params",
     "largest_tensor_bytes"}."""
-    from turboquant_hf.converter import _ShardWriter
+    from turboquant_hf.shards import ShardWriter
 
     dims = dict(SHAPES, **shape)
     os.makedirs(directory, exist_ok=True)
@@ -107,7 +107,7 @@ def write_synthetic_llama(directory: str, layers: int, shard_bytes: int = 2 * 10
     weight_map, total = {}, 0
     for k, entries in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        w = _ShardWriter(os.path.join(directory, fname), [(n, "BF16", s) for n, s in entries])
+        w = ShardWriter(os.path.join(directory, fname), [(n, "BF16", s) for n, s in entries])
         for i, (n, s) in enumerate(entries):
             layer = int(n.split(".")[2]) if n.startswith("model.layers.") else 0
             w.write(n, 0, value(n, s, layer))
@@ -146,11 +146,11 @@ def drop_caches() -> bool:
 
 def measure_read(src: str) -> float:
     """Seconds to read every tensor byte of the checkpoint with the converter's reader."""
-    from turboquant_hf.converter import _Reader, _source_index
+    from turboquant_hf.shards import SourceReader, source_index
 
-    reader = _Reader()
+    reader = SourceReader()
     start = time.perf_counter()
-    for t in _source_index(src).values():
+    for t in source_index(src).values():
         for off in range(0, t.nbytes, 1 << 26):
             reader.read(t, off, min(1 << 26, t.nbytes - off))
     reader.close()
@@ -160,12 +160,13 @@ def measure_read(src: str) -> float:
 def measure_quantize_on_device(device: torch.device, bits: int, group_size: int, repeats: int) -> tuple[float, int]:
     """(seconds, params) to quantize one layer's weight matrices `repeats` times, from tensors already on
     `device`, in the converter's slices."""
-    from turboquant_hf.converter import _CPU_SLICE, _CUDA_SLICE, _SliceQuantizer
+    from turboquant_hf.codec import GroupQuantizer
+    from turboquant_hf.streaming import _CPU_SLICE, _CUDA_SLICE
 
     gen = torch.Generator().manual_seed(1)
     shapes = [s for n, s in llama_tensors(1, **SHAPES) if ".layers." in n and len(s) == 2]
     weights = [(torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16).to(device) for s in shapes]
-    q = _SliceQuantizer(bits, group_size, device)
+    q = GroupQuantizer(bits, group_size, device)
     slice_elems = _CUDA_SLICE if device.type == "cuda" else _CPU_SLICE
 
     slices = [(w, r, max(1, slice_elems // w.shape[1])) for w in weights
@@ -223,11 +224,11 @@ def verify_against_cpu(work: str, device: torch.device, bits, group_size: int) -
     many small slices (a --max-memory of the largest tensor), with `bits` and ternary: the files that differ
     from the CPU's, as "config: file" (empty: the same bytes)."""
     from turboquant_hf import TurboQuantConfig
-    from turboquant_hf.converter import TurboQuantizer
+    from turboquant_hf.streaming import StreamingQuantizer
 
     src = os.path.join(work, "verify-src")
     meta = write_synthetic_llama(src, 1, vocab=4000)
-    converter = TurboQuantizer.from_pretrained(src)
+    converter = StreamingQuantizer.from_pretrained(src)
     differ = []
     for b in dict.fromkeys([bits, 1.58]):
         cfg = TurboQuantConfig(bits=b, group_size=group_size)
@@ -289,7 +290,7 @@ def main(argv=None) -> int:
 
     from turboquant_hf import TurboQuantConfig
     from turboquant_hf.card import human_bytes, human_count
-    from turboquant_hf.converter import TurboQuantizer
+    from turboquant_hf.streaming import StreamingQuantizer
 
     device = torch.device(args.device)
     work = args.work_dir or tempfile.mkdtemp(prefix="tq-convert-speed-")
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
         # once a process, whatever the checkpoint: importing transformers' modeling code for the architecture
         # (torch._dynamo and the rest) to plan on the meta device; shown apart, not in the conversion's time
         start = time.perf_counter()
-        TurboQuantizer.from_pretrained(src)._targets(cfg)
+        StreamingQuantizer.from_pretrained(src)._targets(cfg)
         import_s = time.perf_counter() - start
         rows.append(("first plan in the process (imports the model's code)", import_s, meta["params"] / import_s,
                      "params/s"))
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
         if args.drop_caches:
             drop_caches()
         start = time.perf_counter()
-        summary = TurboQuantizer.from_pretrained(src).quantize(out, quantization_config=cfg, device=str(device),
+        summary = StreamingQuantizer.from_pretrained(src).quantize(out, quantization_config=cfg, device=str(device),
                                                                progress=False)
         conv_s = time.perf_counter() - start
         rows.append(("whole conversion (turboquant-hf)", conv_s, meta["params"] / conv_s, "params/s"))

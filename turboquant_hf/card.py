@@ -26,8 +26,9 @@ BUILD_NAME = "turboquant_build.json"
 CARD_NAME = "README.md"
 TEMPLATE_NAME = "README.md.jinja"
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1,
-                "float8_e4m3fn": 1}
+# bytes per element of a config's `dtype` / `torch_dtype` name
+_CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1,
+                       "float8_e4m3fn": 1}
 _COPIED_FROM_BASE = ("license", "license_name", "license_link", "language")
 
 
@@ -134,11 +135,11 @@ def checkpoint_summary(directory: str) -> dict[str, Any]:
     orig_in = tq.get("orig_in_dims") or {}
     config = _read_json(os.path.join(directory, "config.json")) or {}
     base_dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
-    dtype_bytes = _DTYPE_BYTES.get(base_dtype, 2)
+    dtype_bytes = _CONFIG_DTYPE_BYTES.get(base_dtype, 2)
 
     def nbytes(name):
         info = index[name]
-        n = ckpt._DTYPE_BYTES.get(info["dtype"], 0)
+        n = ckpt.DTYPE_BYTES.get(info["dtype"], 0)
         for d in info["shape"]:
             n *= d
         return n
@@ -179,7 +180,7 @@ def checkpoint_summary(directory: str) -> dict[str, Any]:
         base_bytes += rows * in_features * dtype_bytes
     fp_names = sorted(set(index) - quantized_names)
     fp_bytes = sum(nbytes(n) for n in fp_names)
-    fp_params = sum(nbytes(n) // max(1, ckpt._DTYPE_BYTES.get(index[n]["dtype"], 1)) for n in fp_names)
+    fp_params = sum(nbytes(n) // max(1, ckpt.DTYPE_BYTES.get(index[n]["dtype"], 1)) for n in fp_names)
     base_bytes += sum(nbytes(n) for n in fp_names)
     q_params = sum(t["params"] for t in tiers.values())
     q_bytes = sum(t["bytes"] for t in tiers.values())

@@ -11,7 +11,8 @@ from typing import Any, Iterable
 
 from . import format as fmt
 
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+# bytes per element of each safetensors dtype
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
@@ -55,32 +56,50 @@ def public_command(command: str | None) -> str | None:
 
 
 def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
-    """`{name: {"dtype", "shape"}}` from a .safetensors file's header, after checking the file is complete."""
+    """`{name: {"dtype", "shape", "file", "start", "nbytes"}}` of a .safetensors file (`start`: the absolute offset
+    of the tensor's data), after checking that the header is whole and consistent and the file complete."""
     size = os.path.getsize(path)
+
+    def bad(why):
+        return CheckpointError(f"{path}: {why}")
+
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            raise bad(f"truncated safetensors file ({size} bytes, no header)")
         (n,) = struct.unpack("<Q", head)
         if 8 + n > size:
-            raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: unreadable safetensors header: {e}") from e
+            raise bad(f"corrupted safetensors header (it claims {n} bytes, the file has {size}): truncated or damaged")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"corrupted safetensors header (not readable JSON: {e})") from e
     header.pop("__metadata__", None)
-    data_end = 8 + n + max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    if data_end > size:
-        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, tensors need {data_end})")
-    out = {}
+    out, spans = {}, []
     for name, info in header.items():
-        start, stop = info["data_offsets"]
-        numel = 1
-        for d in info["shape"]:
-            numel *= d
-        if stop - start != numel * _DTYPE_BYTES.get(info["dtype"], 0):
-            raise CheckpointError(f"{path}: tensor {name} has {stop - start} bytes for shape {info['shape']}")
-        out[name] = {"dtype": info["dtype"], "shape": tuple(info["shape"]), "file": path}
+        try:
+            dtype, shape, (start, stop) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            start, stop = int(start), int(stop)
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"corrupted safetensors header: entry {name!r} is malformed ({e!r})") from e
+        if dtype not in DTYPE_BYTES:
+            raise bad(f"tensor {name} has the unknown dtype {dtype!r}")
+        nbytes = DTYPE_BYTES[dtype]
+        for d in shape:
+            nbytes *= d
+        if stop - start != nbytes or start < 0:
+            raise bad(f"corrupted safetensors header: tensor {name} has {stop - start} bytes for {dtype} {list(shape)}")
+        if 8 + n + stop > size:
+            raise bad(f"truncated safetensors file ({size} bytes; tensor {name} ends at {8 + n + stop})")
+        out[name] = {"dtype": dtype, "shape": shape, "file": path, "start": 8 + n + start, "nbytes": nbytes}
+        spans.append((start, stop, name))
+    spans.sort()
+    for (_, e0, a), (s1, _, b) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise bad(f"corrupted safetensors header: tensors {a} and {b} overlap")
     return out
 
 

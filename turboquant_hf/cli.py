@@ -129,11 +129,11 @@ def _source_bytes(src: str) -> int | None:
 
 def _use_streaming(args) -> tuple[bool, str]:
     """(use the streaming converter?, why) from --streaming/--resume, or the model's size against the budget."""
-    from .converter import _available_memory
+    from .shards import available_memory
 
     if args.streaming or args.resume:
         return True, "--resume" if args.resume and not args.streaming else "--streaming"
-    budget = args.max_memory if args.max_memory is not None else _available_memory()
+    budget = args.max_memory if args.max_memory is not None else available_memory()
     size = _source_bytes(args.src)
     if budget is not None and size is not None and size > budget:
         from .card import human_bytes
@@ -146,12 +146,12 @@ def _use_streaming(args) -> tuple[bool, str]:
 def _quantize_streaming(args, argv, cfg, recipe, out: str, why: str) -> int:
     """`quantize` through the streaming converter: tensor by tensor, shards written as they are complete."""
     from . import card as tq_card
-    from .converter import ConversionError, TurboQuantizer
+    from .streaming import ConversionError, StreamingQuantizer
 
     _say(args, f"streaming conversion ({why})")
     progress = False if args.json else None
     try:
-        converter = TurboQuantizer.from_pretrained(args.src)
+        converter = StreamingQuantizer.from_pretrained(args.src)
         summary = converter.quantize(
             out, quantization_config=cfg, max_shard_size=args.max_shard_size, max_memory=args.max_memory,
             device=None if args.device in (None, "auto") else args.device, progress=progress, resume=args.resume,

@@ -95,7 +95,7 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
     tiers: dict[Any, dict] = {}
     full_bytes = base_bytes = full_count = 0
     for name, (dtype, shape) in tensors.items():
-        nbytes = ckpt._DTYPE_BYTES.get(dtype, 2) * math.prod(shape)
+        nbytes = ckpt.DTYPE_BYTES.get(dtype, 2) * math.prod(shape)
         base_bytes += nbytes
         if name not in quantized:
             full_bytes += nbytes
@@ -181,9 +181,9 @@ def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = Non
 
     def nbytes(name: str) -> int:
         dtype = index[name]["dtype"]
-        if dtype not in ckpt._DTYPE_BYTES:
+        if dtype not in ckpt.DTYPE_BYTES:
             raise PlanError(f"tensor {name} has the unknown safetensors dtype {dtype}")
-        return ckpt._DTYPE_BYTES[dtype] * math.prod(index[name]["shape"])
+        return ckpt.DTYPE_BYTES[dtype] * math.prod(index[name]["shape"])
 
     tiers: dict[Any, dict] = {}
     quantized_names: set[str] = set()

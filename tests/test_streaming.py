@@ -19,8 +19,10 @@ from turboquant_hf import TurboQuantConfig, cli, codec
 from turboquant_hf import format as fmt
 from turboquant_hf.checkpoint import CheckpointError, read_checkpoint_index
 from hub_fixtures import hub_env, hub_in_process, local_hub  # noqa: F401  (fixtures)
-from turboquant_hf.converter import (STATE_NAME, ConversionError, TurboQuantizer, _ShardWriter, _SliceQuantizer,
-                                     _source_index)
+from turboquant_hf.codec import GroupQuantizer
+from turboquant_hf.shards import ShardWriter, source_index
+from turboquant_hf import streaming
+from turboquant_hf.streaming import STATE_NAME, ConversionError, StreamingQuantizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +69,7 @@ def _copy_source(src, dst, skip=()):
 
 def _convert(src, out, **kw):
     kw.setdefault("progress", False)
-    return TurboQuantizer.from_pretrained(src).quantize(out, **kw)
+    return StreamingQuantizer.from_pretrained(src).quantize(out, **kw)
 
 
 # The child reports its own peak resident memory (VmHWM, which starts afresh at exec) when it exits: the kernel's
@@ -95,7 +97,7 @@ def _run_cli(args, cwd):
 def test_optimum_interface():
     from optimum.quantization_base import OptimumQuantizer
 
-    assert issubclass(TurboQuantizer, OptimumQuantizer)
+    assert issubclass(StreamingQuantizer, OptimumQuantizer)
 
 
 def test_dense_llama_matches_from_pretrained(tiny_llama_dir, tmp_path):
@@ -186,7 +188,7 @@ def test_slices_quantize_like_the_codec(bits, group_size):
         w[3] = 0
         w = w.to(torch.bfloat16)
         packed, norms = codec.quantize_weight(w, bits, group_size)
-        q = _SliceQuantizer(bits, group_size, torch.device("cpu"))
+        q = GroupQuantizer(bits, group_size, torch.device("cpu"))
         for rows in (1, 7, shape[0]):
             parts = [q(w[r:r + rows].clone(), "w", r) for r in range(0, shape[0], rows)]
             assert torch.equal(torch.cat([p for p, _ in parts]), packed), (shape, rows)
@@ -199,7 +201,7 @@ def test_shards_are_what_safetensors_writes(tmp_path):
     save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
     names = {torch.bfloat16: "BF16", torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16",
              torch.int64: "I64"}
-    w = _ShardWriter(str(tmp_path / "ours.safetensors"), [(k, names[v.dtype], tuple(v.shape))
+    w = ShardWriter(str(tmp_path / "ours.safetensors"), [(k, names[v.dtype], tuple(v.shape))
                                                           for k, v in tensors.items()])
     for k, v in reversed(tensors.items()):
         w.write(k, 0, v)
@@ -211,7 +213,7 @@ def test_shards_are_what_safetensors_writes(tmp_path):
 # memory
 def test_memory_budget_slices_without_changing_bytes(tiny_llama_dir, tmp_path):
     """A budget just above the largest tensor quantizes in many small slices: the same bytes."""
-    converter = TurboQuantizer.from_pretrained(tiny_llama_dir)
+    converter = StreamingQuantizer.from_pretrained(tiny_llama_dir)
     budget = converter.largest_tensor_bytes
     a = converter.quantize(tmp_path / "a", max_memory=budget, progress=False)
     converter.quantize(tmp_path / "b", progress=False)
@@ -223,17 +225,17 @@ def _device_path(monkeypatch):
     """Run the path a GPU takes on the CPU device: reader threads fill reusable host buffers, the main thread
     quantizes into them, the writer thread writes (page-locked buffers, streams and events are CUDA's alone).
     Returns the host buffer pools the conversions make."""
-    from turboquant_hf import converter
+    from turboquant_hf import shards
 
-    monkeypatch.setattr(converter, "_POOLED_DEVICES", ())
+    monkeypatch.setattr(streaming, "_POOLED_DEVICES", ())
     pools = []
 
-    class Recorded(converter._HostBuffers):
+    class Recorded(shards.HostBuffers):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             pools.append(self)
 
-    monkeypatch.setattr(converter, "_HostBuffers", Recorded)
+    monkeypatch.setattr(streaming, "HostBuffers", Recorded)
     return pools
 
 
@@ -254,8 +256,6 @@ def test_device_path_writes_the_same_bytes(case, tiny_llama_dir, float32_moe_dir
     """The device pipeline gives the bytes of the CPU worker pool, with many slices in flight (a small budget)
     or one slice a tensor, float16 norms after packed groups of an odd width (ternary, G = 64), several sources
     a unit in float32; and never holds more host buffers than slices in flight."""
-    from turboquant_hf import converter
-
     src = float32_moe_dir if case == "moe" else tiny_llama_dir
     kw = {"budget": dict(max_memory=100_000, max_shard_size=150_000), "whole": {},
           "ternary": dict(quantization_config=TurboQuantConfig(bits=1.58, group_size=64), max_shard_size=150_000),
@@ -264,7 +264,7 @@ def test_device_path_writes_the_same_bytes(case, tiny_llama_dir, float32_moe_dir
     pools = _device_path(monkeypatch)
     _convert(src, tmp_path / "device", **kw)
     _same_files(tmp_path / "pool", tmp_path / "device")
-    assert len(pools) == 1 and 1 <= pools[0].allocated <= converter._DEVICE_IN_FLIGHT
+    assert len(pools) == 1 and 1 <= pools[0].allocated <= streaming._DEVICE_IN_FLIGHT
     assert not pools[0].pin  # page-locked on CUDA only
     if case == "budget":
         assert pools[0].allocated > 1  # slices overlap
@@ -279,7 +279,7 @@ def test_write_error_in_the_writer_thread(path, tiny_llama_dir, tmp_path, monkey
 
     if path == "device":
         _device_path(monkeypatch)
-    write, finish = _ShardWriter.write, _ShardWriter.finish
+    write, finish = ShardWriter.write, ShardWriter.finish
     calls = []
 
     def full_disk(self, *a):
@@ -290,7 +290,7 @@ def test_write_error_in_the_writer_thread(path, tiny_llama_dir, tmp_path, monkey
 
     kw = dict(max_memory=100_000, max_shard_size=150_000)
     with monkeypatch.context() as m:
-        m.setattr(_ShardWriter, "write", full_disk)
+        m.setattr(ShardWriter, "write", full_disk)
         with pytest.raises(OSError, match="No space left on device") as e:
             _convert(tiny_llama_dir, tmp_path / "out", **kw)
     assert e.value.errno == errno.ENOSPC and ".out.partial" in e.value.filename and e.value.filename.endswith(".tmp")
@@ -303,13 +303,13 @@ def test_write_error_in_the_writer_thread(path, tiny_llama_dir, tmp_path, monkey
         raise RuntimeError("finish failed")
 
     with monkeypatch.context() as m:
-        m.setattr(_ShardWriter, "finish", broken_finish)
+        m.setattr(ShardWriter, "finish", broken_finish)
         with pytest.raises(RuntimeError, match="finish failed"):
             _convert(tiny_llama_dir, tmp_path / "out", **kw)
     assert os.listdir(tmp_path) == []
 
     calls.clear()
-    monkeypatch.setattr(_ShardWriter, "write", full_disk)
+    monkeypatch.setattr(ShardWriter, "write", full_disk)
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "out"), "--streaming"]) == 1
     err = capsys.readouterr().err
     assert "failed: OSError: [Errno 28] No space left on device" in err and ".out.partial" in err
@@ -317,8 +317,8 @@ def test_write_error_in_the_writer_thread(path, tiny_llama_dir, tmp_path, monkey
 
 
 def test_budget_smaller_than_the_largest_tensor_is_refused(tiny_llama_dir, tmp_path, monkeypatch, capsys):
-    converter = TurboQuantizer.from_pretrained(tiny_llama_dir)
-    monkeypatch.setattr(TurboQuantizer, "_plan", lambda *a: pytest.fail("work started despite the refusal"))
+    converter = StreamingQuantizer.from_pretrained(tiny_llama_dir)
+    monkeypatch.setattr(StreamingQuantizer, "_plan", lambda *a: pytest.fail("work started despite the refusal"))
     with pytest.raises(ValueError, match=r"smaller than the largest tensor \(model\.layers\.0\.mlp\.down_proj\.weight,"
                                          r" 90,112 bytes\)"):
         converter.quantize(tmp_path / "out", max_memory=90_111, progress=False)
@@ -372,7 +372,7 @@ class _Interrupt:
 
     def __init__(self, monkeypatch, after):
         self.done = 0
-        finish = _ShardWriter.finish
+        finish = ShardWriter.finish
 
         def patched(writer):
             finish(writer)
@@ -380,7 +380,7 @@ class _Interrupt:
             if self.done == after:
                 raise KeyboardInterrupt
 
-        monkeypatch.setattr(_ShardWriter, "finish", patched)
+        monkeypatch.setattr(ShardWriter, "finish", patched)
 
 
 @pytest.mark.parametrize("path", ["pool", "device"])
@@ -460,7 +460,7 @@ def test_killed_conversion_leaves_the_target_untouched_and_resumes(tmp_path):
 def test_progress_summary_and_card(tiny_llama_dir, tmp_path, capsys):
     from turboquant_hf import card as tq_card
 
-    summary = TurboQuantizer.from_pretrained(tiny_llama_dir).quantize(tmp_path / "out", progress=True)
+    summary = StreamingQuantizer.from_pretrained(tiny_llama_dir).quantize(tmp_path / "out", progress=True)
     err = capsys.readouterr().err
     assert "quantizing" in err and "model.norm.weight" in err  # the bar shows bytes and the tensor's name
     assert "B/s" in err or "MB" in err or "kB" in err
@@ -492,9 +492,9 @@ def test_progress_summary_and_card(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_cli_chooses_the_converter_by_memory_budget(tiny_llama_dir, tmp_path, capsys, monkeypatch):
-    from turboquant_hf import converter
+    from turboquant_hf import shards
 
-    largest = TurboQuantizer.from_pretrained(tiny_llama_dir).largest_tensor_bytes
+    largest = StreamingQuantizer.from_pretrained(tiny_llama_dir).largest_tensor_bytes
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "ref"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["converter"] == "from_pretrained"
     # a budget below the model's size (above its largest tensor)
@@ -505,13 +505,13 @@ def test_cli_chooses_the_converter_by_memory_budget(tiny_llama_dir, tmp_path, ca
     _assert_same_tensors(tmp_path / "budget", tmp_path / "ref")
     assert os.path.isfile(tmp_path / "budget" / "README.md")
     # less memory available than the model: chosen without being asked
-    monkeypatch.setattr(converter, "_available_memory", lambda: largest)
+    monkeypatch.setattr(shards, "available_memory", lambda: largest)
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "auto")]) == 0
     captured = capsys.readouterr()
     assert "streaming conversion (the weights" in captured.err and "wrote" in captured.out
     _assert_same_tensors(tmp_path / "auto", tmp_path / "ref")
     # asked for
-    monkeypatch.setattr(converter, "_available_memory", lambda: 10**12)
+    monkeypatch.setattr(shards, "available_memory", lambda: 10**12)
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "asked"), "--streaming", "--bits", "4",
                      "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization_config"]["bits"] == 4
@@ -552,7 +552,7 @@ def test_cli_streams_a_hub_repo(tiny_llama_dir, tmp_path, hub_in_process, capsys
     api = HfApi(endpoint=hub_in_process.url, token=hub_in_process.token)
     repo = api.create_repo("tiny-llama-bf16").repo_id
     api.upload_folder(folder_path=tiny_llama_dir, repo_id=repo)
-    largest = TurboQuantizer.from_pretrained(tiny_llama_dir).largest_tensor_bytes
+    largest = StreamingQuantizer.from_pretrained(tiny_llama_dir).largest_tensor_bytes
     assert cli.main(["quantize", repo, "--out", str(tmp_path / "asked"), "--streaming", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["converter"] == "streaming"
     assert cli.main(["quantize", repo, "--out", str(tmp_path / "budget"), "--max-memory", str(largest),
@@ -639,19 +639,19 @@ def test_nan_half_way_leaves_nothing(path, tiny_llama_dir, tmp_path, monkeypatch
 
 def test_existing_output_is_refused_before_any_work(tiny_llama_dir, tmp_path, monkeypatch):
     (tmp_path / "out").mkdir()
-    monkeypatch.setattr(TurboQuantizer, "_plan", lambda *a: pytest.fail("work started"))
+    monkeypatch.setattr(StreamingQuantizer, "_plan", lambda *a: pytest.fail("work started"))
     with pytest.raises(FileExistsError, match="nothing was written"):
         _convert(tiny_llama_dir, tmp_path / "out")
     with pytest.raises(ValueError, match="outside the source folder"):
         _convert(tiny_llama_dir, os.path.join(tiny_llama_dir, "out"))
 
 
-def test_source_index_reads_only_listed_files(tiny_llama_dir, tmp_path):
+def testsource_index_reads_only_listed_files(tiny_llama_dir, tmp_path):
     """With an index, stray .safetensors files (consolidated copies, ...) are not read."""
     src = tmp_path / "src"
     AutoModelForCausalLM.from_pretrained(tiny_llama_dir).save_pretrained(src, max_shard_size="200KB")
     (src / "consolidated.safetensors").write_bytes(b"not a safetensors file")
-    assert set(_source_index(str(src))) == set(_tensors(tiny_llama_dir))
+    assert set(source_index(str(src))) == set(_tensors(tiny_llama_dir))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -661,7 +661,7 @@ def test_faster_than_the_peer_writer(tmp_path):
     peer = pytest.importorskip("turboquant_vllm.checkpoint")
     src = str(tmp_path / "src")
     meta = _bench().write_synthetic_llama(src, 2, hidden=1024, heads=16, intermediate=2816, vocab=4000)  # 22M + 8M
-    TurboQuantizer.from_pretrained(src)._targets(TurboQuantConfig())  # imports the model class: not timed
+    StreamingQuantizer.from_pretrained(src)._targets(TurboQuantConfig())  # imports the model class: not timed
     ours = float("inf")
     for attempt in range(2):  # the better of two runs: a transient stall of the machine is not the writer's speed
         start = time.perf_counter()

@@ -1,0 +1,658 @@
+"""Streaming offline conversion: quantize a safetensors checkpoint tensor by tensor, with bounded memory.
+
+`StreamingQuantizer.from_pretrained(src).quantize(save_dir, quantization_config=cfg)` writes the same tensors that
+`from_pretrained(src, quantization_config=cfg)` followed by `save_pretrained(save_dir)` would, without ever
+holding the model: the module replacement runs on the meta device to decide what is quantized, then each
+source tensor is read in slices of rows with plain file reads (no memory map, so nothing of the source stays
+resident), quantized on the best device available, and written straight to its place in the output shard.
+
+Memory: the working set is a few slices of rows in flight: one per worker plus two on CPU (about 32 bytes per
+weight of a slice; slices of 256K weights), eight for a GPU (their source rows and results in reusable page-locked
+host buffers; slices of 16M weights), whatever the size of the tensors or of the model; `max_memory` caps it.
+
+Safety: the layout of every output shard is computed from the source headers before any work, and the
+shards are written into `.NAME.partial` beside `save_dir`, each renamed from `*.tmp` once complete and synced.
+The folder is renamed to `save_dir` at the very end, so an interrupted run never leaves an output that looks
+complete; `resume=True` keeps the finished shards of an interrupted run and writes only the rest (the bytes are
+the same as an uninterrupted run's). Errors remove the temporary folder; an interruption (Ctrl-C, SIGTERM,
+SIGKILL) keeps it for `resume`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from . import checkpoint as ckpt
+from . import codec
+from . import format as fmt
+from .config import TurboQuantConfig
+from .shards import (DTYPE_NAMES, INDEX_NAME, TORCH_DTYPES, ConversionError, HostBuffers, SliceWriter, SourceReader,
+                     fingerprint, peak_rss, shard_is_complete, source_index)
+
+try:  # optimum's quantizer interface, when the installed optimum has it
+    from optimum.quantization_base import OptimumQuantizer as _QuantizerBase
+except ImportError:  # pragma: no cover - same shape without optimum
+    class _QuantizerBase:  # type: ignore[no-redef]
+        pass
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+_COPIED_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
+_SKIPPED_FILES = {"model.safetensors.index.json", "config.json", "README.md", fmt.TQ_CONFIG_NAME}
+STATE_NAME = "turboquant_convert.json"  # the layout record of a run, kept in the temporary folder for resume
+
+# names of the scale tensors that quantized (FP8, block-scaled) checkpoints carry beside their weights
+_SCALE_TENSOR = re.compile(r"^(.*)\.(weight_scale_inv|weight_scale|weight_scale_2|input_scale)$")
+
+# Working memory per weight of a slice being quantized: the source slice, the quantizer's buffers (three float32
+# ones, the int32 and uint8 indices, a 16-bit staging copy: codec.GroupQuantizer), the packed output.
+_BYTES_PER_ELEMENT = 32
+_CPU_SLICE = 1 << 18  # weights per slice on CPU: the quantizer's buffers for it (5 MB) stay in the caches
+_CUDA_SLICE = 1 << 24  # 32 MB of bf16 a slice: large enough for the kernels, small enough for the host buffers
+# devices whose slices are quantized by the worker pool; on the others (CUDA) the main thread quantizes
+_POOLED_DEVICES = ("cpu",)
+# threads that read ahead for a device, and slices on their way from the disk to the output (being read, waiting
+# for the device, on it, being written)
+_DEVICE_READERS = 4
+_DEVICE_IN_FLIGHT = 8
+# bytes per slice of a tensor copied as it is: no larger than a quantized slice's buffers, so that the allocator
+# keeps returning them to the system (a larger freed block raises glibc's mmap threshold, and each worker's arena
+# then holds on to its largest slices: measured 140 MB instead of 40 MB at 16 MB slices)
+_COPY_SLICE = 1 << 20
+
+
+
+@dataclass
+class ConversionSummary:
+    params_quantized: int = 0
+    params_kept: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    bytes_out_quantized: int = 0  # packed indices and norms
+    seconds: float = 0.0
+    shards: list = field(default_factory=list)
+    shards_resumed: int = 0  # finished shards of an interrupted run that were kept
+    params_processed: int = 0  # weights read and written by this run (less than the total after a resume)
+    device: str = "cpu"
+    peak_rss_before: int = 0  # the process's peak resident memory before the tensor work (libraries loaded), bytes
+    peak_rss: int = 0  # ... and after it: the difference is the most the tensor work needed
+
+    @property
+    def bits_per_weight(self) -> float:
+        total = self.params_quantized + self.params_kept
+        return 8 * self.bytes_out / total if total else 0.0
+
+    @property
+    def bits_per_quantized_weight(self) -> float:
+        return 8 * self.bytes_out_quantized / self.params_quantized if self.params_quantized else 0.0
+
+    @property
+    def params_per_second(self) -> float:
+        return self.params_processed / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["bits_per_weight"] = self.bits_per_weight
+        d["bits_per_quantized_weight"] = self.bits_per_quantized_weight
+        d["params_per_second"] = self.params_per_second
+        return d
+
+    def text(self) -> str:
+        from .card import human_bytes, human_count
+
+        resumed = f", {self.shards_resumed} of them kept from the interrupted run" if self.shards_resumed else ""
+        return (f"quantized {human_count(self.params_quantized)} params, kept {human_count(self.params_kept)} in "
+                f"full precision; {human_bytes(self.bytes_in)} in, {human_bytes(self.bytes_out)} out in "
+                f"{len(self.shards)} shard{'s' if len(self.shards) != 1 else ''}{resumed}; "
+                f"{self.bits_per_weight:.3f} bits per weight ({self.bits_per_quantized_weight:.3f} in the quantized "
+                f"ones); {self.seconds:.1f} s, "
+                f"{human_count(self.params_per_second)} params/s on {self.device}")
+
+
+_QUANTIZABLE = ("BF16", "F16", "F32", "F64")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the plan: one unit per output tensor (or pair of packed/norms tensors), sources concatenated along rows
+@dataclass
+class _Unit:
+    name: str
+    sources: list  # [SourceTensor], concatenated along rows in this order
+    target: object = None  # the TurboQuantWeight from_pretrained would fill, or None: copied as it is
+    outputs: list = field(default_factory=list)  # [(name, dtype, shape)]
+
+    @property
+    def nbytes_in(self) -> int:
+        return sum(t.nbytes for t in self.sources)
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.sources)
+
+
+
+class StreamingQuantizer(_QuantizerBase):
+    """Offline, streaming TurboQuant conversion of a local safetensors checkpoint folder."""
+
+    def __init__(self, source_dir: str):
+        self.source_dir = os.path.abspath(str(source_dir))
+        if not os.path.isdir(self.source_dir):
+            raise ConversionError(f"{source_dir}: no such directory")
+        self.tensors = source_index(self.source_dir)
+        self.index = {k: {"dtype": t.dtype, "shape": t.shape, "file": t.file} for k, t in self.tensors.items()}
+        config_path = os.path.join(self.source_dir, "config.json")
+        if not os.path.isfile(config_path):
+            raise ConversionError(f"{self.source_dir}: no config.json")
+        with open(config_path) as f:
+            self.config = json.load(f)
+        self._check_supported()
+
+    @classmethod
+    def from_pretrained(cls, model_or_path, file_name=None):
+        path = str(model_or_path)
+        if not os.path.isdir(path):
+            from .card import looks_like_repo_id
+
+            if not looks_like_repo_id(path):
+                raise ConversionError(f"{model_or_path}: neither a local checkpoint folder nor a Hub repo id")
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json", "*.jinja", "*.model",
+                                                           "*.txt", "*.tiktoken", "README.md"])
+        return cls(path)
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max((t.nbytes for t in self.tensors.values()), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def _check_supported(self) -> None:
+        """Refuse sources that are already quantized (FP8 with scale tensors, ...): never quantize their stored
+        values as if they were the weights."""
+        for cfg in (self.config, self.config.get("text_config") or {}):
+            qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+            if qc:
+                method = qc.get("quant_method", "?") if isinstance(qc, dict) else qc
+                raise ConversionError(
+                    f"{os.path.join(self.source_dir, 'config.json')}: the checkpoint is already quantized "
+                    f"(quant_method {method!r}); the converter reads bf16, fp16 or fp32 weights only. Convert it to "
+                    "bf16 first; nothing was written")
+        for name, t in sorted(self.tensors.items()):
+            scale = _SCALE_TENSOR.match(name)
+            if t.dtype.startswith("F8") or (scale and scale.group(1) + ".weight" in self.tensors):
+                raise ConversionError(
+                    f"{t.file}: tensor {name} ({t.dtype}) belongs to a quantized checkpoint (FP8 weights with "
+                    "scale tensors are not supported); the converter reads bf16, fp16 or fp32 weights only. "
+                    "Nothing was written")
+
+    # -- what gets quantized ---------------------------------------------------------------------------------
+    def _targets(self, config: TurboQuantConfig) -> dict:
+        """{output tensor name: the TurboQuantWeight from_pretrained would fill}; fills `self.expert_groups`."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .modules import TurboQuantWeight
+        from .planning import checkpoint_to_model_keys
+        from .sizing import apply_plan
+
+        model_config = AutoConfig.from_pretrained(self.source_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+        apply_plan(model, config)
+        modules = {n: m for n, m in model.named_modules() if isinstance(m, TurboQuantWeight)}
+        targets = {}
+        self.expert_groups = {}
+        found = set()
+        for key, model_key in checkpoint_to_model_keys(model, list(self.index)).items():
+            if model_key in modules:
+                targets[key] = modules[model_key]
+                found.add(model_key)
+        # per-expert sources: `<prefix>.experts.N.{gate,up,down}_proj.weight` (or Mixtral's w1/w3/w2), fused here
+        # into `<prefix>.experts.gate_up_proj` / `.down_proj` exactly as transformers merges them while loading
+        per_expert = {}
+        for key in self.index:
+            m = _PER_EXPERT.match(key)
+            if m:
+                per_expert.setdefault(m.group(1), {}).setdefault(_PART[m.group(3)], {})[int(m.group(2))] = key
+        for prefix, parts in per_expert.items():
+            for fused, sources in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+                fused_key = f"{prefix}.{fused}"
+                model_key = checkpoint_to_model_keys(model, [fused_key])[fused_key]
+                if model_key not in modules:
+                    continue
+                target = modules[model_key]
+                n_experts = target.source_shape[0]
+                if any(sorted(parts.get(p, {})) != list(range(n_experts)) for p in sources):
+                    raise ConversionError(
+                        f"{prefix}: the per-expert tensors do not cover experts 0..{n_experts - 1} for {fused}"
+                    )
+                self.expert_groups[fused_key] = [[parts[p][e] for p in sources] for e in range(n_experts)]
+                targets[fused_key] = target
+                found.add(model_key)
+        missing = set(modules) - found
+        if missing:
+            raise ConversionError(
+                f"{self.source_dir}: no source tensor for {sorted(missing)[0]} (and {len(missing) - 1} more); "
+                "layouts that transformers transforms while loading, other than per-expert experts, are not streamed yet"
+            )
+        for name, w in targets.items():
+            if getattr(w, "rotation", "groups") != "groups":
+                raise ConversionError(f"{name}: the streaming converter writes the {fmt.FORMAT_NAME} layout only")
+        return targets
+
+    def _plan(self, cfg: TurboQuantConfig, keep_dtype: str | None) -> list[_Unit]:
+        targets = self._targets(cfg)
+        self._n_targets = len(targets)
+        self._orig_in_dims = {k: w.in_features for k, w in targets.items() if w.in_features % w.group_size}
+        grouped = {k for members in self.expert_groups.values() for per in members for k in per}
+        units = []
+        for name in sorted([n for n in self.tensors if n not in grouped] + list(self.expert_groups)):
+            if name in self.expert_groups:
+                sources = [self.tensors[k] for per in self.expert_groups[name] for k in per]
+            else:
+                sources = [self.tensors[name]]
+            target = targets.get(name)
+            unit = _Unit(name, sources, target)
+            if target is not None:
+                for t in sources:
+                    if t.dtype not in _QUANTIZABLE:
+                        raise ConversionError(f"{t.file}: tensor {t.name} is stored as {t.dtype}; only bf16, fp16 and "
+                                              "fp32 weights can be quantized. Nothing was written")
+                    if t.row_width != target.in_features:
+                        raise ConversionError(f"{t.file}: tensor {t.name} has shape {list(t.shape)}, the model expects "
+                                              f"an input width of {target.in_features}")
+                rows = sum(t.rows for t in sources)
+                if rows != target.rows:
+                    raise ConversionError(f"{name}: the source holds {rows} rows, the model expects {target.rows}")
+                bpg = fmt.bytes_per_group(target.n_levels, target.group_size)
+                norms_dtype = DTYPE_NAMES[target.norms_dtype]
+                unit.outputs = [(name + fmt.PACKED_SUFFIX, "U8", (rows * target.n_groups, bpg)),
+                                (name + fmt.NORMS_SUFFIX, norms_dtype, (rows, target.n_groups))]
+            else:
+                t = sources[0]
+                dtype = keep_dtype if keep_dtype and t.dtype in _QUANTIZABLE else t.dtype
+                unit.outputs = [(name, dtype, t.shape)]
+            units.append(unit)
+        return units
+
+    @staticmethod
+    def _layout(units: list[_Unit], max_shard_size: int) -> list[tuple[str, list]]:
+        """[(file name, [(tensor, dtype, shape)])]: a new shard whenever the next tensor would overflow this one."""
+        shards, current, size = [], [], 0
+        for unit in units:
+            for name, dtype, shape in unit.outputs:
+                nbytes = math.prod(shape) * ckpt.DTYPE_BYTES[dtype]
+                if current and size + nbytes > max_shard_size:
+                    shards.append(current)
+                    current, size = [], 0
+                current.append((name, dtype, tuple(shape)))
+                size += nbytes
+        if current:
+            shards.append(current)
+        n = len(shards)
+        return [("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors", entries)
+                for i, entries in enumerate(shards)]
+
+    # -- conversion ------------------------------------------------------------------------------------------
+    def quantize(
+        self,
+        save_dir,
+        file_prefix: str | None = None,
+        quantization_config: TurboQuantConfig | None = None,
+        max_shard_size: int = 5 * 10**9,
+        max_memory: int | None = None,
+        device: str | None = None,
+        progress: bool = True,
+        resume: bool = False,
+        overwrite: bool = False,
+        dtype: str | torch.dtype | None = None,
+        base_model: str | None = None,
+        model_card: bool = True,
+        build_info: dict | None = None,
+    ) -> ConversionSummary:
+        """Convert into `save_dir`; return the summary (also printed when `progress`).
+
+        max_memory: bytes of working memory the conversion may use on top of the Python process; refused when
+        smaller than the largest source tensor. resume: keep the finished shards of an interrupted run into the
+        same `save_dir` (same source, config and shard size), write the rest. overwrite: replace an existing
+        `save_dir` once the new one is complete. dtype: cast the tensors kept in full precision (default: as
+        stored). build_info: `{"command", "recipe"}` for the model card's build record.
+        """
+        cfg = quantization_config or TurboQuantConfig()
+        largest = self.largest_tensor_bytes
+        if max_memory is not None and max_memory < largest:
+            name = max(self.tensors.values(), key=lambda t: t.nbytes).name
+            raise ValueError(
+                f"--max-memory {max_memory:,} bytes is smaller than the largest tensor ({name}, {largest:,} bytes); "
+                "nothing was written"
+            )
+        keep_dtype = None
+        if dtype is not None and str(dtype) != "auto":
+            tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
+            keep_dtype = DTYPE_NAMES[tdtype]
+        save_dir = os.path.abspath(str(save_dir))
+        if os.path.exists(save_dir) and not overwrite:
+            raise FileExistsError(f"{save_dir} exists; remove it first or pass overwrite=True (--force); "
+                                  "nothing was written")
+        if os.path.commonpath([save_dir, self.source_dir]) in (save_dir, self.source_dir):
+            raise ValueError(f"{save_dir}: the output must be outside the source folder {self.source_dir} "
+                             "(the source is never modified)")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        units = self._plan(cfg, keep_dtype)
+        layout = self._layout(units, max_shard_size)
+        state = {"version": 1, "source": self.source_dir, "files": fingerprint(self.tensors),
+                 "quantization_config": cfg.to_dict(), "keep_dtype": keep_dtype, "max_shard_size": max_shard_size,
+                 "layout": [[f, [[n, d, list(s)] for n, d, s in e]] for f, e in layout]}
+        parent = os.path.dirname(save_dir)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(save_dir)}.partial")
+        state_path = os.path.join(tmp, STATE_NAME)
+        done_files: set[str] = set()
+        if resume and os.path.isdir(tmp):
+            try:
+                with open(state_path) as f:
+                    previous = json.load(f)
+            except (OSError, ValueError):
+                previous = None
+            if previous != json.loads(json.dumps(state)):
+                raise ConversionError(
+                    f"{tmp}: cannot resume: that run was started with another source, configuration or shard size "
+                    "(or its record is unreadable); remove it, or run without --resume to start over")
+            done_files = {f for f, entries in layout if shard_is_complete(os.path.join(tmp, f), entries)}
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            with open(state_path + ".tmp", "w") as f:
+                json.dump(state, f)
+            os.replace(state_path + ".tmp", state_path)
+        for entry in os.listdir(tmp):  # leftovers of the interrupted run: unfinished shards
+            if entry != STATE_NAME and entry not in done_files:
+                os.remove(os.path.join(tmp, entry))
+
+        summary = ConversionSummary(device=str(device), shards=[f for f, _ in layout],
+                                    shards_resumed=len(done_files), peak_rss_before=peak_rss())
+        for unit in units:
+            if unit.target is not None:
+                summary.params_quantized += unit.numel
+                summary.bytes_out_quantized += sum(math.prod(s) * ckpt.DTYPE_BYTES[d] for _, d, s in unit.outputs)
+            else:
+                summary.params_kept += unit.numel
+            summary.bytes_in += unit.nbytes_in
+        summary.bytes_out = sum(math.prod(s) * ckpt.DTYPE_BYTES[d] for _, e in layout for _, d, s in e)
+        start = time.perf_counter()
+        try:
+            self._convert(tmp, units, layout, done_files, device, max_memory, progress, summary)
+            self._write_side_files(tmp, cfg, layout, summary, keep_dtype)
+            summary.seconds = time.perf_counter() - start
+            summary.peak_rss = peak_rss()
+            if model_card:
+                self._write_card(tmp, save_dir, base_model, build_info)
+            os.remove(state_path)
+            if os.path.exists(save_dir):  # overwrite: the old folder goes only once the new one is complete
+                old = os.path.join(parent, f".{os.path.basename(save_dir)}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(save_dir, old)
+                os.replace(tmp, save_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, save_dir)
+        except Exception:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except BaseException:  # interrupted: the finished shards stay for resume=True
+            if progress is not False:
+                print(f"interrupted; {tmp} keeps the finished shards: run again with resume=True (--resume) to "
+                      "continue", file=sys.stderr)
+            raise
+        if progress is not False:
+            print(summary.text(), file=sys.stderr)
+        return summary
+
+    def _convert(self, out_dir, units, layout, done_files, device, max_memory, progress, summary) -> None:
+        """Read, quantize and write every unit not already in a finished shard (see `_SlicePipeline`)."""
+        _SlicePipeline(out_dir, units, layout, done_files, device, max_memory).run(progress, summary)
+
+    def _write_side_files(self, out_dir, cfg: TurboQuantConfig, layout, summary, keep_dtype) -> None:
+        if len(layout) > 1:
+            weight_map = {name: f for f, entries in layout for name, _, _ in entries}
+            with open(os.path.join(out_dir, INDEX_NAME), "w") as fh:
+                json.dump({"metadata": {"total_size": summary.bytes_out}, "weight_map": weight_map}, fh, indent=2)
+        for entry in sorted(os.listdir(self.source_dir)):
+            src = os.path.join(self.source_dir, entry)
+            if os.path.isfile(src) and entry.endswith(_COPIED_SUFFIXES) and entry not in _SKIPPED_FILES:
+                shutil.copy2(src, os.path.join(out_dir, entry))
+        config = dict(self.config)
+        config["quantization_config"] = cfg.to_dict()
+        if keep_dtype:
+            config.pop("torch_dtype", None)
+            config["dtype"] = str(TORCH_DTYPES[keep_dtype]).replace("torch.", "")
+        with open(os.path.join(out_dir, "config.json"), "w") as fh:
+            json.dump(config, fh, indent=2)
+        tq = cfg.to_tq_config(self._n_targets, self._orig_in_dims, self.source_dir)
+        with open(os.path.join(out_dir, fmt.TQ_CONFIG_NAME), "w") as fh:
+            json.dump(tq, fh, indent=2)
+
+    def _write_card(self, out_dir, save_dir, base_model, build_info) -> None:
+        """The model card README.md, rendered from the files by the same generator save_pretrained uses."""
+        info = build_info or {}
+        try:
+            from . import card as tq_card
+
+            with open(os.path.join(out_dir, tq_card.BUILD_NAME), "w") as f:
+                json.dump(tq_card.build_record(base_model=base_model, source=self.source_dir,
+                                               command=info.get("command"), recipe=info.get("recipe")), f, indent=2)
+            tq_card.write_card(out_dir, base_model=base_model, repo_id=info.get("repo_id"),
+                               name=os.path.basename(save_dir), source_dir=self.source_dir)
+        except Exception as e:  # the weights are complete; a card that cannot be rendered must not lose them
+            import warnings
+
+            warnings.warn(f"TurboQuant: converted the model but could not write its model card: {e}")
+
+
+class _SlicePipeline:
+    """Reads, quantizes and writes every unit not already in a finished shard, slice by slice.
+
+    On CPU, slices are read and quantized by a pool of single-threaded workers (one per torch thread): whole
+    slices in parallel, rather than every operation split across cores, which stalls at each of the ~80
+    operations of a slice as soon as another process takes a core. On a device (CUDA), a pipeline: several
+    threads read slices ahead into reusable host buffers (page-locked), the main thread copies each to the
+    device on a copy stream, quantizes it there once the copy is done, and copies the results back into
+    host buffers, all asynchronously; the writer thread waits for those copies. On both, a writer thread
+    writes the slices in order at their fixed places in the shards, and syncs and renames a shard as soon as
+    its last tensor is complete, while the next slices are read and quantized."""
+
+    def __init__(self, out_dir, units, layout, done_files, device, max_memory):
+        self.out_dir, self.layout, self.done_files, self.device = out_dir, layout, done_files, device
+        where = {name: f for f, entries in layout for name, _, _ in entries}
+        self.todo = [u for u in units if any(where[n] not in done_files for n, _, _ in u.outputs)]
+        self.on_cpu = device.type in _POOLED_DEVICES
+        self.cuda = device.type == "cuda" and not self.on_cpu
+        if self.on_cpu:  # the workers, one slice being written and one ready for the writer
+            self.workers = max(1, torch.get_num_threads())
+            self.in_flight = self.workers + 2
+        else:
+            self.workers = _DEVICE_READERS
+            self.in_flight = _DEVICE_IN_FLIGHT
+        self.slice_elems = _CPU_SLICE if self.on_cpu else _CUDA_SLICE
+        self.copy_bytes = _COPY_SLICE
+        if max_memory is not None:  # every slice in flight at once, with its temporaries, within the budget
+            self.slice_elems = max(1, min(self.slice_elems, max_memory // (self.in_flight * _BYTES_PER_ELEMENT)))
+            self.copy_bytes = max(1, min(self.copy_bytes, max_memory // (self.in_flight * 4)))
+        self.kernels = {}
+        for unit in self.todo:
+            target = unit.target
+            if target is not None and (target.n_levels, target.group_size) not in self.kernels:
+                self.kernels[target.n_levels, target.group_size] = codec.GroupQuantizer(
+                    fmt.bits_for_levels(target.n_levels), target.group_size, device)
+        self.buffers = self._host_buffers() if not self.on_cpu else None
+        if self.cuda:
+            self.compute_stream = torch.cuda.current_stream(device)
+            self.copy_stream = torch.cuda.Stream(device)
+        self.reader = SourceReader()
+
+    def slice_rows(self, unit, t) -> int:
+        return max(1, self.slice_elems // max(1, fmt.padded_width(t.row_width, unit.target.group_size)))
+
+    def tasks(self):
+        """Every slice, in order: (unit, source tensor, row offset of the source in the unit, first, last), where
+        first/last are rows of a quantized source, or bytes of a tensor copied as it is."""
+        for unit in self.todo:
+            if unit.target is not None:
+                offset = 0
+                for t in unit.sources:
+                    rows = self.slice_rows(unit, t)
+                    for r0 in range(0, t.rows, rows):
+                        yield unit, t, offset, r0, min(t.rows, r0 + rows)
+                    offset += t.rows
+            else:
+                t = unit.sources[0]
+                step = max(t.itemsize, self.copy_bytes // t.itemsize * t.itemsize)
+                for b0 in range(0, max(t.nbytes, 1), step):
+                    yield unit, t, 0, b0, min(t.nbytes, b0 + step)
+
+    @staticmethod
+    def result_shapes(unit, rows):
+        (_, _, pshape), (_, ndtype, _) = unit.outputs
+        n_groups = pshape[0] // unit.target.rows
+        return (rows * n_groups, pshape[1]), (rows, n_groups), TORCH_DTYPES[ndtype]
+
+    def _host_buffers(self) -> HostBuffers:
+        """Host buffers as large as the largest slice of a quantized tensor."""
+        in_bytes = out_bytes = 0
+        for unit in self.todo:
+            for t in unit.sources if unit.target is not None else ():
+                rows = min(t.rows, self.slice_rows(unit, t))
+                pshape, nshape, ndtype = self.result_shapes(unit, rows)
+                in_bytes = max(in_bytes, rows * t.row_width * t.itemsize)
+                n_norms = math.prod(nshape) * torch.empty((), dtype=ndtype).element_size()
+                out_bytes = max(out_bytes, -(-n_norms // 64) * 64 + math.prod(pshape))
+        return HostBuffers(in_bytes, out_bytes, pin=self.cuda)
+
+    def quantize(self, unit, t, data, r0):
+        from .modules import to_norms_dtype
+
+        name = t.name if len(unit.sources) == 1 else f"{unit.name} ({t.name})"
+        packed, norms = self.kernels[unit.target.n_levels, unit.target.group_size](data, name, r0)
+        return packed, to_norms_dtype(norms, TORCH_DTYPES[unit.outputs[1][1]], name=unit.name)
+
+    def work(self, task):
+        """In a worker thread: a slice read (and, on CPU, quantized)."""
+        unit, t, _, a, b = task
+        if unit.target is None:
+            data = self.reader.read(t, a, b - a)
+            out_dtype = unit.outputs[0][1]
+            return data if out_dtype == t.dtype else data.view(TORCH_DTYPES[t.dtype]).to(TORCH_DTYPES[out_dtype])
+        if self.on_cpu:
+            return self.quantize(unit, t, self.reader.rows(t, a, b), a)
+        pair = self.buffers.take()
+        try:
+            return pair, self.reader.rows(t, a, b, out=pair[0])
+        except BaseException:
+            self.buffers.give(pair)
+            raise
+
+    def on_device(self, unit, t, a, b, pair, rows):
+        """Quantize a slice read into host buffers: (packed, norms) in the pair's output buffer, and the event
+        after which they are there (None: already there)."""
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                x = rows.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+            self.compute_stream.wait_event(copied)  # the kernels below wait for the copy, the host does not
+            x.record_stream(self.compute_stream)  # x's memory is reused only once they are done with it
+        else:
+            x = rows.to(self.device)  # on CPU the host buffer itself, which the quantizer may change: it is ours
+        packed, norms = self.quantize(unit, t, x, a)
+        packed_host, norms_host = HostBuffers.results(pair[1], *self.result_shapes(unit, b - a))
+        packed_host.copy_(packed, non_blocking=self.cuda)
+        norms_host.copy_(norms, non_blocking=self.cuda)
+        if not self.cuda:
+            return packed_host, norms_host, None
+        done = torch.cuda.Event(blocking=True)
+        done.record(self.compute_stream)
+        return packed_host, norms_host, done
+
+    def write(self, writer, task, result, summary) -> int:
+        """Hand a finished slice to the writer; returns the source bytes it covered."""
+        unit, t, offset, a, b = task
+        if unit.target is None:
+            name, out_dtype, _ = unit.outputs[0]
+            writer.put([(name, a // t.itemsize * ckpt.DTYPE_BYTES[out_dtype], result)],
+                       [name] if b >= t.nbytes else ())
+            summary.params_processed += (b - a) // t.itemsize
+            return b - a
+        ready = release = None
+        if self.on_cpu:
+            packed, norms = result
+        else:
+            pair, rows = result
+            packed, norms, ready = self.on_device(unit, t, a, b, pair, rows)
+            release = lambda pair=pair: self.buffers.give(pair)  # noqa: E731
+        (pname, _, pshape), (nname, _, _) = unit.outputs
+        row = offset + a
+        n_groups = pshape[0] // unit.target.rows
+        last = t is unit.sources[-1] and b == t.rows
+        writer.put([(pname, row * n_groups * pshape[1], packed),
+                    (nname, row * n_groups * norms.element_size(), norms)],
+                   (pname, nname) if last else (), ready, release)
+        summary.params_processed += (b - a) * t.row_width
+        return (b - a) * t.row_width * t.itemsize
+
+    def run(self, progress, summary) -> None:
+        from tqdm.auto import tqdm
+
+        total = sum(u.nbytes_in for u in self.todo)
+        bar = tqdm(total=total, unit="B", unit_scale=True, disable=None if progress is None else not progress,
+                   desc="quantizing", file=sys.stderr, dynamic_ncols=True)
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="turboquant-convert",
+                                  initializer=torch.set_num_threads if self.on_cpu else None,
+                                  initargs=(1,) if self.on_cpu else ())
+        writer = SliceWriter(self.out_dir, self.layout, self.done_files, self.in_flight)
+        ahead: deque = deque()
+        it = self.tasks()
+        shown = None
+        closed = False
+
+        def submit() -> None:  # read the next slice, once fewer than in_flight are on their way
+            task = next(it, None)
+            if task is not None:
+                writer.reserve()
+                ahead.append((task, pool.submit(self.work, task)))
+
+        try:
+            for _ in range(self.in_flight):
+                submit()
+            while ahead:
+                task, fut = ahead.popleft()
+                result = fut.result()
+                if task[0] is not shown:
+                    bar.set_postfix_str(task[0].name, refresh=False)
+                    shown = task[0]
+                bar.update(self.write(writer, task, result, summary))
+                del result
+                submit()
+            writer.close()
+            closed = True
+        finally:
+            for _, fut in ahead:
+                fut.cancel()
+            pool.shutdown(wait=True)
+            if not closed:
+                writer.abort()
+            self.reader.close()
+            bar.close()
