@@ -66,6 +66,24 @@ def tiny_qwen3_5_moe_config(**overrides):
     return Qwen3_5MoeTextConfig(**kw)
 
 
+def spread_weights_(model, std: float = 0.05):
+    """Draw every matrix (and expert stack) of a model built from config with a realistic spread, in place (the
+    convolutions of gated delta nets keep their init); returns the model."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "conv1d" not in name:
+                p.normal_(0, std)
+    return model
+
+
+def tiny_qwen3_5_moe_model(seed: int = 0):
+    """The tiny multimodal Qwen3.5-MoE of test_moe, weights spread (`spread_weights_`), in bfloat16."""
+    from test_moe import qwen3_5_moe
+
+    torch.manual_seed(seed)
+    return spread_weights_(qwen3_5_moe()).to(torch.bfloat16)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny Llama saved in bf16 with a tokenizer; weights drawn with a realistic spread (std 0.05)."""

@@ -52,16 +52,10 @@ print(((got - expected).norm() / expected.norm()).item())
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
-    from test_moe import qwen3_5_moe
+    from conftest import tiny_qwen3_5_moe_model
 
-    torch.manual_seed(0)
-    model = qwen3_5_moe()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "conv1d" not in name:
-                p.normal_(0, 0.05)
     d = str(tmp_path_factory.mktemp("qwen"))
-    model.to(torch.bfloat16).save_pretrained(d)
+    tiny_qwen3_5_moe_model().save_pretrained(d)
     return d
 
 

@@ -95,15 +95,9 @@ def test_llama_load_matrix(tiny_llama_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen_sources(tmp_path_factory):
-    from test_moe import qwen3_5_moe
+    from conftest import tiny_qwen3_5_moe_model
 
-    torch.manual_seed(0)
-    model = qwen3_5_moe()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "conv1d" not in name:
-                p.normal_(0, 0.05)
-    model = model.to(torch.bfloat16)
+    model = tiny_qwen3_5_moe_model()
     out = {}
     for layout, original in (("per_expert", True), ("fused", False)):
         d = str(tmp_path_factory.mktemp(f"qwen_{layout}"))

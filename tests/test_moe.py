@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from conftest import spread_weights_
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
 from turboquant_hf import format as fmt
 from turboquant_hf.checkpoint import CheckpointError
@@ -58,12 +59,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for kind, build in BUILDERS.items():
         torch.manual_seed(0)
-        model = build()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() >= 2 and "conv1d" not in name:
-                    p.normal_(0, 0.05)
-        model = model.to(torch.bfloat16)
+        model = spread_weights_(build()).to(torch.bfloat16)
         for layout, original in (("per_expert", True), ("fused", False)):
             d = str(tmp_path_factory.mktemp(f"{kind}_{layout}"))
             model.save_pretrained(d, save_original_format=original)

@@ -558,7 +558,7 @@ def cmd_convert(args, argv) -> int:
     if os.path.exists(out) and not args.force:
         raise CliError(f"convert: --out {args.out} exists (use --force to replace it)")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from . import TurboQuantConfig
     from .mlx import to_tq3_native
@@ -577,21 +577,11 @@ def cmd_convert(args, argv) -> int:
         report = to_tq3_native(model, group_size=args.group_size)
     except ValueError as e:
         raise CliError(f"convert: {args.src}: {e}") from e
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out) + ".", dir=os.path.dirname(out))
-    try:
-        model.save_pretrained(tmp)
-        try:
-            AutoTokenizer.from_pretrained(args.src).save_pretrained(tmp)
-        except Exception as e:  # a checkpoint without a loadable tokenizer still converts
-            _say(args, f"(tokenizer not copied: {e})")
+    def record(tmp):
         with open(os.path.join(tmp, "turboquant_convert.json"), "w") as f:
             json.dump({"source": ckpt.public_source(args.src), "to": args.to, **report}, f, indent=2)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    _save_model_folder(args, model, out, record)
     worst = max(report["layers"], key=lambda x: x["relative_error"])
     result = {"out": out, "to": args.to, "layers": len(report["layers"]), "relative_error": report["relative_error"],
               "max_relative_error": report["max_relative_error"], "worst_layer": worst["name"],
@@ -600,6 +590,28 @@ def cmd_convert(args, argv) -> int:
                         f"weights (relative, all layers): {report['relative_error']:.4f}, worst "
                         f"{worst['relative_error']:.4f} ({worst['name']})")
     return EXIT_OK
+
+
+def _save_model_folder(args, model, out: str, extra=None) -> None:
+    """`model` and the tokenizer of `args.src` (plus `extra(folder)`) into a hidden folder beside `out`, renamed
+    to `out` once complete: an interrupted command leaves no `out` behind."""
+    from transformers import AutoTokenizer
+
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out) + ".", dir=os.path.dirname(out))
+    try:
+        model.save_pretrained(tmp)
+        try:
+            AutoTokenizer.from_pretrained(args.src).save_pretrained(tmp)
+        except Exception as e:  # a checkpoint without a loadable tokenizer is still complete
+            _say(args, f"note: no tokenizer saved ({e})")
+        if extra is not None:
+            extra(tmp)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _sigterm(signum, frame):
@@ -612,7 +624,7 @@ def cmd_dequantize(args, argv) -> int:
     if os.path.exists(out) and not args.force:
         raise CliError(f"dequantize: --out {args.out} exists (use --force to replace it)")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     _say(args, f"loading {args.src}")
     model = AutoModelForCausalLM.from_pretrained(args.src)
@@ -620,19 +632,7 @@ def cmd_dequantize(args, argv) -> int:
         raise CliError(f"dequantize: {args.src} is not a TurboQuant checkpoint")
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else model.get_input_embeddings().weight.dtype
     model.dequantize(dtype=dtype)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out) + ".", dir=os.path.dirname(out))
-    try:
-        model.save_pretrained(tmp)
-        try:
-            AutoTokenizer.from_pretrained(args.src).save_pretrained(tmp)
-        except (OSError, ValueError) as e:
-            _say(args, f"note: no tokenizer saved ({e})")
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _save_model_folder(args, model, out)
     params = sum(p.numel() for p in model.parameters())
     _emit(args, {"out": out, "dtype": str(dtype).replace("torch.", ""), "params": params},
           f"wrote {out}: {params:,} parameters in {str(dtype).replace('torch.', '')}, no quantization_config")

@@ -54,24 +54,28 @@ def rotate_activations(x: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tens
     return codec.rotate_groups(xf.view(m, -1, group_size), signs1, signs2).view(m, padded)
 
 
+def _weight_blocks(packed, norms, codebook, group_size: int, reuse_buffer: bool = False):
+    """(first row, last row, the rows' float32 weight in the rotated basis) of a packed weight, a bounded block at
+    a time (`reuse_buffer`: each block in the same per-thread buffer, overwritten by the next)."""
+    rows, n_groups = norms.shape
+    block = max(1, _REFERENCE_BLOCK_ELEMENTS // (n_groups * group_size))
+    scratch = codec.decode_scratch(min(rows, block) * n_groups * group_size, codebook.dtype) if reuse_buffer else None
+    for start in range(0, rows, block):
+        stop = min(rows, start + block)
+        chunk = layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
+        yield start, stop, codec.rotated_weight(chunk, norms[start:stop], codebook, group_size, out=scratch)
+
+
 def codebook_matmul(
     x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """`(M, n_groups*G)` rotated activations times the packed weight: `(M, rows)` float32."""
-    rows, n_groups = norms.shape
-    block = max(1, _REFERENCE_BLOCK_ELEMENTS // (n_groups * group_size))
     # (on CPU each block is built in a reused per-thread buffer: see `codec.decode_scratch`; not where autograd
     # would keep the block for a backward pass)
-    scratch = None
-    if x_rot.device.type == "cpu" and not torch.compiler.is_compiling() and not (
-            x_rot.requires_grad and torch.is_grad_enabled()):
-        scratch = codec.decode_scratch(min(rows, block) * n_groups * group_size, codebook.dtype)
-    parts = []
-    for start in range(0, rows, block):
-        stop = min(rows, start + block)
-        chunk = layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
-        w = codec.rotated_weight(chunk, norms[start:stop], codebook, group_size, out=scratch)
-        parts.append((x_rot @ w.T).to(torch.float32))
+    reuse = x_rot.device.type == "cpu" and not torch.compiler.is_compiling() and not (
+        x_rot.requires_grad and torch.is_grad_enabled())
+    parts = [(x_rot @ w.T).to(torch.float32)
+             for _, _, w in _weight_blocks(packed, norms, codebook, group_size, reuse_buffer=reuse)]
     if len(parts) == 1:
         return parts[0]
     return torch.cat(parts, 1) if parts else x_rot.new_empty(x_rot.shape[0], 0, dtype=torch.float32)
@@ -118,13 +122,9 @@ def turboquant_linear_input_grad(
     rows, n_groups = norms.shape
     lead = grad.shape[:-1]
     g2 = grad.reshape(-1, rows).to(torch.float32)
-    nf, cb = norms.float(), codebook.float()
-    block = max(1, _REFERENCE_BLOCK_ELEMENTS // (n_groups * group_size))
     g_rot = g2.new_zeros(g2.shape[0], n_groups * group_size)
-    for start in range(0, rows, block):
-        stop = min(rows, start + block)
-        chunk = layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
-        g_rot += g2[:, start:stop] @ codec.rotated_weight(chunk, nf[start:stop], cb, group_size)
+    for start, stop, w in _weight_blocks(packed, norms.float(), codebook.float(), group_size):
+        g_rot += g2[:, start:stop] @ w
     gx = codec.unrotate_groups(g_rot.view(-1, n_groups, group_size), signs1.float(), signs2.float())
     return gx.reshape(-1, n_groups * group_size)[:, :in_features].to(grad.dtype).reshape(*lead, in_features)
 
