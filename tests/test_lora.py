@@ -107,11 +107,36 @@ def test_trainer_accepts_the_adapter_model(base, tmp_path):
     assert result.global_step == 2
 
 
-def test_dora_is_refused_clearly(base):
-    config = _config()
-    config.use_dora = True
-    with pytest.raises(ValueError, match="DoRA"):
-        lora.get_peft_model(base, config)
+def test_dora_matches_the_dequantized_model_and_merges(base, tiny_llama_dir, tmp_path):
+    """DoRA: the same gradients as PEFT's DoRA on the dequantized model, a saved adapter reloads to the same
+    logits, and merge_and_unload gives them too (float32)."""
+    plain = copy.deepcopy(base).dequantize(dtype=torch.float32)
+    config = dict(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False,
+                  use_dora=True)
+    torch.manual_seed(0)
+    model = lora.get_peft_model(base, peft.LoraConfig(**config))
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(plain, peft.LoraConfig(**config))
+    ids = _batch()
+    for m in (model, reference):
+        m(input_ids=ids, labels=ids).loss.backward()
+    ref = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads.keys() == ref.keys() and any("lora_magnitude_vector" in n for n in grads)
+    for n in grads:
+        assert ((grads[n] - ref[n]).norm() / ref[n].norm()).item() < GRAD_RTOL, n
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path / "dora")
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=4),
+                                                 dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(lora.load_adapter(fresh, str(tmp_path / "dora"))(input_ids=ids).logits, expected)
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-4
 
 
 def test_moe_model_adapters_train_through_packed_experts(tmp_path):

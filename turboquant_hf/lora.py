@@ -13,8 +13,10 @@ gradient flows through the base layer into earlier layers through `turboquant::l
     ...
     model = turboquant_hf.lora.load_adapter(base, "adapter")  # a saved adapter onto a TurboQuant base
 
-`merge_and_unload()` merges into a dequantized layer: the base weight is rebuilt from its packed form, the adapter's
-update added, and the layer becomes a plain `nn.Linear` (`unmerge` gives the packed layer back).
+DoRA (`LoraConfig(use_dora=True)`) works the same way: PEFT's DoRA layer, given the rebuilt base weight for its
+per-row norms. `merge_and_unload()` merges into a dequantized layer: the base weight is rebuilt from its packed
+form, the adapter's update added (and, for DoRA, each row rescaled to its learned magnitude), and the layer becomes
+a plain `nn.Linear` (`unmerge` gives the packed layer back).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from torch import nn
 
 try:
     from peft.tuners.lora import LoraConfig
+    from peft.tuners.lora.dora import DoraLinearLayer
     from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.lora.variants import DoraLinearVariant
     from peft.tuners.tuners_utils import check_adapters_to_merge
 except ImportError as e:  # pragma: no cover - peft is optional
     raise ImportError("turboquant_hf.lora needs the peft package: pip install peft") from e
@@ -58,9 +62,9 @@ class TurboQuantLoraLinear(nn.Module, LoraLayer):
         return super()._get_base_layer_device_and_dtype(base_layer)
 
     def resolve_lora_variant(self, *, config: LoraConfig, **kwargs):
-        if config.use_dora or getattr(config, "velora_config", None) is not None:
-            raise ValueError("LoRA variants (DoRA, VeLoRA) are not supported on TurboQuant layers; use plain LoRA")
-        return None
+        if getattr(config, "velora_config", None) is not None:
+            raise ValueError("VeLoRA is not supported on TurboQuant layers; use LoRA or DoRA")
+        return TurboQuantDoraVariant() if config.use_dora else None
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         return (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) * self.scaling[adapter]
@@ -84,7 +88,12 @@ class TurboQuantLoraLinear(nn.Module, LoraLayer):
         for adapter in adapter_names:
             if adapter not in self.lora_A:
                 continue
-            merged = base.weight.data + self.get_delta_weight(adapter).to(base.weight.dtype)
+            delta = self.get_delta_weight(adapter).to(base.weight.dtype)
+            merged = base.weight.data + delta
+            if adapter in self.lora_variant:  # DoRA: rescaled to the learned magnitude of each output row
+                magnitude = self.lora_magnitude_vector[adapter]
+                norm = magnitude.get_weight_norm(base.weight.data, delta, scaling=1).detach()
+                merged = (magnitude.weight / norm).view(-1, 1).to(merged.dtype) * merged
             if safe_merge and not torch.isfinite(merged).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter} seems to be broken")
             base.weight.data = merged
@@ -113,12 +122,62 @@ class TurboQuantLoraLinear(nn.Module, LoraLayer):
             if adapter not in self.lora_A:
                 continue
             lora_A, lora_B = self.lora_A[adapter], self.lora_B[adapter]
-            update = lora_B(lora_A(self.lora_dropout[adapter](self._cast_input_dtype(x, lora_A.weight.dtype))))
+            xa = self._cast_input_dtype(x, lora_A.weight.dtype)
+            if adapter in self.lora_variant:
+                result = self.lora_variant[adapter].forward(self, active_adapter=adapter, x=xa, result=result)
+                continue
+            update = lora_B(lora_A(self.lora_dropout[adapter](xa)))
             result = result + (update * self.scaling[adapter]).to(result.dtype)
         return result
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()
+
+
+class _DequantizedView:
+    """What PEFT's DoRA layer reads of a base layer: its weight as one tensor (the packed weight rebuilt, in
+    float32) and its bias."""
+
+    def __init__(self, layer: TurboQuantLinear):
+        self.layer = layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.layer.weight.dequantize(torch.float32)
+
+    @property
+    def bias(self):
+        return self.layer.bias
+
+    def parameters(self):
+        return self.layer.parameters()
+
+
+class TurboQuantDoraVariant(DoraLinearVariant):
+    """PEFT's DoRA on a TurboQuant base: the same layer and formulas, given the base's rebuilt weight (for the
+    per-row weight norm) through `_DequantizedView`."""
+
+    @staticmethod
+    def init(module: TurboQuantLoraLinear, adapter_name: str, **kwargs) -> None:
+        if not module.lora_magnitude_vector:
+            module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
+        dora_layer = DoraLinearLayer(fan_in_fan_out=False)
+        dora_layer.update_layer(base_layer=_DequantizedView(module.get_base_layer()),
+                                lora_A=module.lora_A[adapter_name].weight, lora_B=module.lora_B[adapter_name].weight,
+                                scaling=module.scaling[adapter_name])
+        module.lora_magnitude_vector[adapter_name] = dora_layer
+
+    @staticmethod
+    def forward(module: TurboQuantLoraLinear, active_adapter: str, x: torch.Tensor, result: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        dropout = module.lora_dropout[active_adapter]
+        base_result = result if isinstance(dropout, nn.Identity) or not module.training else None
+        base = module.get_base_layer()
+        return result + module.lora_magnitude_vector[active_adapter](
+            dropout(x) if base_result is None else x, lora_A=module.lora_A[active_adapter],
+            lora_B=module.lora_B[active_adapter], scaling=module.scaling[active_adapter],
+            base_layer=_DequantizedView(base) if isinstance(base, TurboQuantLinear) else base,
+            base_result=base_result, adapter_name=active_adapter).to(result.dtype)
 
 
 def register(config: LoraConfig) -> LoraConfig:
