@@ -75,7 +75,7 @@ FUSED_MAX_PAIRS = 1 << 62
 
 
 def _activation(name: str):
-    from turboquant_hf.ops import ACTIVATIONS
+    from turboquant_hf.activations import ACTIVATIONS
 
     return ACTIVATIONS[name]
 
@@ -207,7 +207,7 @@ def _expert_chunks(counts, per_expert_bytes: int, grouped: bool):
     expert numbers (int32 tensor), for `torch._grouped_mm` their end offsets (else None), and the row count per
     expert.
 
-    `counts`: the per-expert counts as a device tensor and as a list (`ops.expert_groups`). The expert numbers of every
+    `counts`: the per-expert counts as a device tensor and as a list (`routing.expert_groups`). The expert numbers of every
     chunk come from one host-to-device copy (pinned, queued without waiting) and the offsets are summed on the
     device: a copy from pageable memory per chunk could wait for the stream, leaving the GPU idle while the host
     queues the next chunk's kernels."""
@@ -336,9 +336,9 @@ def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt
     `widest`: the elements of an expert's largest matrix (decoded one projection at a time); `per_expert`: of all
     its matrices. One chunk with the routing on the device (no host synchronisation; `_device_routing`) where the
     pairs are at least as many as the experts and every expert's largest matrix fits `PREFILL_SCRATCH_BYTES` at
-    once; otherwise the counts come to the host (`ops.expert_groups`, one synchronisation) and the routed experts
+    once; otherwise the counts come to the host (`routing.expert_groups`, one synchronisation) and the routed experts
     are decoded in chunks of `per_expert`-sized experts that fit."""
-    from turboquant_hf.ops import expert_groups
+    from turboquant_hf.routing import expert_groups
 
     t, k = top_k_index.shape
     nbytes = torch.finfo(wdt).bits // 8
@@ -420,7 +420,7 @@ def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
 
 def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2,
              g, e, act, inter):
-    from turboquant_hf.ops import routed_groups
+    from turboquant_hf.routing import routed_groups
 
     t, h = hidden.shape
     dt = hidden.dtype  # the products run in the activations' dtype (float32 accumulation); sums in float32
