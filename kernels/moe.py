@@ -43,7 +43,9 @@ import triton.language as tl
 
 from . import linear as L
 from .launch import cdiv, launch, next_power_of_2
-from .linear import _byte_tables, _load_units, _lut_tile
+from .lut import _byte_tables
+from .prefill import _lut_tile
+from .units import _load_units
 
 # Most (token, slot) pairs served by the pair GEMV path.
 PAIR_MAX_ROWS = 64

@@ -113,7 +113,7 @@ def _prmt_by_definition(a: int, b: int, sel: int) -> int:
     return out
 
 
-_PRMT_MOD = None  # (the interpreted kernels module, set by the test below)
+_PRMT_MOD = None  # (turboquant_hf.kernels.ptx, interpreted: set by the test below)
 
 
 def _prmt_probe(a_ptr, b_ptr, s_ptr, out_ptr, out_c_ptr, SEL):
@@ -131,7 +131,9 @@ def test_prmt_emulation_matches_ptx_definition(L):
     below 8: the table lookups) and `_prmt_c` (compile-time selectors, sign-replicating nibbles included) give
     the PTX definition's bytes on random words, for the selectors the kernels use and others."""
     global _PRMT_MOD
-    _PRMT_MOD = L
+    from turboquant_hf.kernels import ptx
+
+    _PRMT_MOD = ptx
     probe = triton.jit(_prmt_probe)  # (decorated here: the fixture has TRITON_INTERPRET=1 set)
     gen = torch.Generator().manual_seed(9)
     for sel in (0x5140, 0x7362, 0x4040, 0x5151, 0x6262, 0x7373, 0xD9C8, 0xFBEA, 0x3210, 0x8F0E):
