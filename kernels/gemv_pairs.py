@@ -19,8 +19,7 @@ from .units import _load_units
 #
 # The lookups of the tensor-core GEMV (`_mma_pairs`, `_mma_pairs2`) give two float16 codebook values per
 # 32-bit register, and one `fma.rn.f16x2` multiplies them into two activations at once: per weight about
-# half the instructions of assembling a float32 value for an FFMA (H200, whole op at M = 1, 3-bit: 1.3-1.4x
-# faster on the large shapes, benchmarks/RESULTS.md). The activations come as float16 pairs in the order a
+# half the instructions of assembling a float32 value for an FFMA. The activations come as float16 pairs in the order a
 # unit decodes (`rotate(..., unit=...)` or `pack_pairs`: word q * NUT + u holds elements 2q, 2q + 1 of
 # unit u), each group scaled by a power of two 2**-e (e per activation row and group, `_pair_exponent`)
 # so that the group's L2 norm is at most 2**8. A unit's products are chained in float16 (16 per lane at 3
@@ -29,7 +28,7 @@ from .units import _load_units
 # Cauchy-Schwarz such a sum (16 products a lane), and every partial sum on the way, is at most sqrt(16) * 2**8
 # * max|codebook| in magnitude: no overflow for codebooks below 60, whatever the activations' scale. Accuracy:
 # float16 keeps 11 significant bits; on random data the bfloat16 result is within 1.8e-3 (relative L2) of the
-# float32 reference at every width (H200).
+# float32 reference at every width.
 
 @triton.jit
 def _f16_lo(h):
@@ -263,8 +262,7 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
     loop, and before waiting for the previous kernel: PDL), so that the loads of a program overlap its own
     decoding. UT: every `[BN, BU]` tile is held as `[BU, BN]`, for a Triton whose coalescing takes a load's
     remaining axes in ascending order (`_lanes_first`): the norms and scales then load in the words' layout
-    (Triton 3.6, sm_90 SASS, 3-bit 14336x4096 config: 587 instructions a step instead of 754, no shared memory
-    or barriers); the results are the same.
+    (fewer instructions, no shared memory or barriers); the results are the same.
 
     EXPERTS > 0 (BM == 1): the weight is EXPERTS stacked matrices of N rows, and output row p is matrix `idx[p]`
     times activation row `p // X_DIV` (routed (token, slot) pairs); an index outside [0, EXPERTS) gives a zero

@@ -83,18 +83,15 @@ def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return _HADAMARD[key]
 
 
-# Activation rows up to which `rotate` runs the butterfly kernel (`_rotate_rows_kernel`) rather than the
-# tensor-core one. H200, bf16, device time of the rotation alone (torch.profiler), us, tensor-core -> butterflies:
-# M = 1 2.20 -> 1.35 (4096 inputs), 2.34 -> 1.36 (8192), 2.72 -> 1.41 (14336); M = 16 1.95 -> 1.32, 2.15 -> 1.40,
-# 2.60 -> 1.60 (the output bit for bit the same in all of them). ROWS_CONFIG, when set, overrides `_rows_config`.
+# Activation rows up to which `rotate` runs the butterfly kernel (`_rotate_rows_kernel`, faster at small M, the same
+# output bit for bit) rather than the tensor-core one. ROWS_CONFIG, when set, overrides `_rows_config`.
 ROWS_MAX_M = 16
 ROWS_CONFIG = None
 
 
 def _rows_config(m: int, g: int) -> tuple[int, int]:
     """(groups a program, warps) of the butterfly rotation: one warp over 256 inputs a program for one or two
-    rows, over 512 for more (the fastest or within 0.1 us of it in a sweep of 1-8 groups of 128 x 1-4 warps at
-    M = 1, 2, 8 and 16 on the H200: more programs of less work each lose to the launch of their blocks)."""
+    rows, over 512 for more (more programs of less work each lose to the launch of their blocks)."""
     return max(1, (256 if m <= 2 else 512) // g), 1
 
 
@@ -149,7 +146,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
 def _fma_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
     """(BN, GPI, num_warps) for the FMA GEMV, from the weight shape only.
 
-    Picked from a sweep on an H200 (benchmarks/RESULTS.md): 8 rows per program below 8192 output
+    From a sweep (benchmarks/RESULTS.md): 8 rows per program below 8192 output
     rows, 16 above; GPI (groups per step) gives each thread 128 weights per step (256 for 2- and
     4-bit with 16 rows); ternary does best with 2 groups per step."""
     geo = unit_geometry(n_levels, g)
@@ -209,12 +206,7 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
 
 
 # Largest M served by the pair GEMV, which decodes the weight once for BM = 1 or 2 activation rows (above it the
-# tensor-core GEMV or dequantize + cuBLAS; the kernel also takes BM = 4). Whole op on an H200 (2026-12-01 23:50
-# UTC, Triton 3.6, after the tensor-core GEMV took several blocks per warp), pair vs tensor-core GEMV, us: M = 2,
-# 3-bit 4096x4096 7.9 vs 9.6, 4096x14336 16.7 vs 19.9, 14336x4096 21.8 vs 22.7, 8192x28672 52.1 vs 54.8, 2048x8192
-# 7.7 vs 9.3; 4-bit 8192x28672 74.2 vs 97.2 (2-bit 55.7 vs 53.7, 512->2048 4.4 vs 3.7); M = 3 and 4 the
-# tensor-core GEMV was faster at every shape (3-bit 8192x28672 112.4 vs 55.7, 4096x14336 23.0 vs 20.4, 4-bit
-# 4096x14336 34.0 vs 27.6).
+# tensor-core GEMV or dequantize + cuBLAS; the kernel also takes BM = 4, slower than the tensor cores there).
 PAIR_MAX_M = 2
 
 
@@ -253,20 +245,15 @@ def pack_pairs(x_rot: torch.Tensor, unit: int, group_size: int) -> tuple[torch.T
 
 def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
     """(BN, num_warps[, maxnreg[, prefetch]]) of the pair GEMV from the weight shape (rows n, units per row nut)
-    and the codebook size, from whole-op sweeps on an H200 (rotation + GEMV as CUDA-graph replays at M = 1, the
-    benchmark shapes and the fused projections' shapes; benchmarks/RESULTS.md). 3-bit: rows of 14336 inputs 4
-    rows of 2 warps (more programs: 13.8 us against 15.5 with 8 rows), 8192 inputs 8 rows of 2 warps, 2048 inputs
-    8 rows of 2 warps loading each step's words a step ahead (what a program loads first overlaps the
-    rotation), 4096 inputs 8 rows of 4 warps (ahead as well for rows of 4096 outputs); 4-bit: 8 rows of 4 warps
-    and a cap of 96 registers from 4096 inputs up (14336 -> 4096: 17.5 against 23.9 us uncapped), 16 rows below.
-    Weights of 2048 rows or fewer: 3- and 4-bit rows of 512 inputs or fewer 8 rows of 2 warps, a step ahead (the
-    expert down projection 512 -> 2048: 3.3 against 3.55 us), 3-bit rows up to 2048 inputs 4 rows of 4 warps, a
-    step ahead (2048 -> 1024: 3.85 against 4.0 us). 2-bit (and ternary, which runs its codes): 8 rows of 4 warps,
-    cap 96, except rows of 2048 inputs (8 rows of 2 warps a step ahead up to 8192 rows, of 4 warps above and for
-    2048 rows or fewer: 2048x8192 7.1 -> 6.2 us, 2048 -> 12352 8.6 -> 7.9, 2048 -> 1024 3.9 -> 3.7), 16 rows for
-    16384 rows or more (2 warps at 4096 inputs: 4096 -> 28672 22.9 -> 22.0; 4 at 8192: 8192x28672 41.2 -> 40.6),
-    4 rows of 4 warps a step ahead at 14336 inputs, where the early launch now reaches (14.7 against 14.9 us).
-    Programs of 2 or 4 activation rows run uncapped (as measured)."""
+    and the codebook size, from whole-op sweeps (benchmarks/RESULTS.md). 3-bit: rows of 14336 inputs 4 rows of 2
+    warps, 8192 inputs 8 rows of 2 warps, 2048 inputs 8 rows of 2 warps loading each step's words a step ahead
+    (what a program loads first overlaps the rotation), 4096 inputs 8 rows of 4 warps (ahead as well for rows of
+    4096 outputs); 4-bit: 8 rows of 4 warps and a cap of 96 registers from 4096 inputs up, 16 rows below.
+    Weights of 2048 rows or fewer: 3- and 4-bit rows of 512 inputs or fewer 8 rows of 2 warps, a step ahead, 3-bit
+    rows up to 2048 inputs 4 rows of 4 warps, a step ahead. 2-bit (and ternary, which runs its codes): 8 rows of 4
+    warps, cap 96, except rows of 2048 inputs (8 rows of 2 warps a step ahead up to 8192 rows, of 4 warps above and
+    for 2048 rows or fewer), 16 rows for 16384 rows or more (2 warps at 4096 inputs, 4 at 8192), 4 rows of 4 warps
+    a step ahead at 14336 inputs. Programs of 2 or 4 activation rows run uncapped."""
     k = nut * lut_unit(n_levels)
     if n <= 2048:
         if n_levels in (8, 16) and k <= 512:
@@ -358,9 +345,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
 # Triton before 3.7 orders the non-contiguous axes of a load's coalesced layout ascending, 3.7 and later from the
 # last: `_gemv_mma_kernel` arranges its weight and activation tiles for the one in use (None: by version), so that
 # both land in the tensor-core operand layouts without passing through shared memory (`_gemv_pair_kernel` its
-# tiles the same way: UT). Triton 3.6, sm_90 SASS
-# (3-bit, M = 16, one warp): 165 instructions a block instead of 338, of which 8 shared-memory stores, 8
-# ldmatrix, 32 shuffles and a barrier; 66 registers instead of 109 (3.7-3.9 the same the other way round).
+# tiles the same way: UT); arranged for the other order they need shared-memory stores, ldmatrix and shuffles.
 _LANES_FIRST: bool | None = None
 
 
@@ -399,15 +384,9 @@ def mma_order(n_levels: int, g: int) -> bool:
 # Wide blocks: 3-bit weights at G = 128 take blocks of two groups (KB = 256 inputs, each lane two consecutive units,
 # the group norms folded into the 16-bit values: `FOLD`) instead of one. A lane's words are then 8 consecutive
 # bytes of each of the unit's three planes, and the four lanes of a weight row read a whole 32-byte sector per
-# load, where blocks of one group use half of each sector per load instruction (Nsight Compute, 3-bit
-# 4096x14336, M = 16) and leave the other half to the next block's load. Measured on an H200 (Triton 3.6, `linear`
-# as CUDA-graph replays, both in one process, us, one-group -> wide blocks, M = 8 / 16 / 32 / 64): 4096x14336
-# 19.5 -> 16.9 / 22.7 -> 21.9 / 34.2 -> 30.2 / 61.8 -> 53.8; 14336x4096 22.8 -> 22.3 / 28.6 -> 26.4 / 47.7 -> 34.9 /
-# 61.1 -> 61.8; 4096x4096 9.3 -> 7.7 / 11.0 -> 9.5 / 18.0 -> 16.5 / 22.6 -> 27.3; 2048x8192 7.9 -> 7.7 / 9.5 -> 9.1 /
-# 17.9 -> 14.4 / 23.2 -> 23.0; 8192x28672 M = 32 / 64 103.6 -> 90.0 / 195.7 -> 168.0, at M <= 16 slower (62.4 ->
-# 68.6 at M = 16 in an earlier run; benchmarks/RESULTS.md). Hence: weights of at least WIDE_MIN values with an
-# even number of groups, below 16384 rows at M <= DOT_MAX_M, any rows up to 2 DOT_MAX_M, and from 8192 rows above
-# that. The cost is precision: each value times its norm is rounded to 16 bits (relative error of the product
+# load, where blocks of one group use half of each sector per load instruction and leave the other half to the
+# next block's load. Used for weights of at least WIDE_MIN values with an even number of groups, below 16384 rows at
+# M <= DOT_MAX_M, any rows up to 2 DOT_MAX_M, and from 8192 rows above that (benchmarks/RESULTS.md). The cost is precision: each value times its norm is rounded to 16 bits (relative error of the product
 # 3.3e-3 against 2.6e-3 with one group a block, bfloat16, random data), about a fiftieth of the 3-bit
 # quantization error itself.
 WIDE = True
@@ -444,22 +423,15 @@ def _dot_config(n: int, ng: int, n_levels: int, g: int, kb: int = 0) -> tuple:
     2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch, maxnreg, blocks). Each program
     takes BN weight rows and S = num_warps x blocks of the row's KB-input blocks per step, so that many
     independent loads are in flight: S = 16 (4 warps of 4 blocks) below 8192 rows or for rows of at most 16
-    blocks (one step a row; 2048x8192, M = 16, activation order: 9.1 -> 8.0 us), 8 (2 warps of 4) below 16384,
+    blocks (one step a row), 8 (2 warps of 4) below 16384,
     else 4 (one warp of 4), BN = 16 below 8192 rows, else 32. 4-bit, whose two lookups a value hold more
     registers (255 a thread at 2 warps of 4 blocks, 12.5 % occupancy under ncu), takes 4 warps: of 4 blocks
-    and 16 rows below 4096 rows, of 2 and 32 rows below 8192, else of 1 and 32 rows (GEMV alone at M = 16,
-    H200: 4096x14336 34.7 -> 21.8 us, 8192x28672 106.9 -> 71.0, 512->2048 3.1 -> 2.5). S is halved (blocks
+    and 16 rows below 4096 rows, of 2 and 32 rows below 8192, else of 1 and 32 rows. S is halved (blocks
     first, then warps) while it exceeds the row's blocks. Prefetch 1 (the next step's words a step ahead) for
-    rows of at least 16 blocks, else 2 (its activations and norms too). From a sweep on an H200 under Triton 3.6 (3-bit, G = 128, M = 8 and
-    16, the benchmark shapes, 16 configurations), after the tiles were arranged for that release: at M = 16
-    these were the fastest or within 4 % of it at every shape, and 1.35-1.9x faster than one block per warp and
-    step (the previous choice; 1.4-2.0x at M = 8 where measured); rows of 64 over 2 warps came close on the
-    longest rows. Swept again with the activation order (`X_ORDER`; 3-bit, M = 16, 36 configurations, BN 16-64,
-    1-4 warps of 1-4 blocks, prefetch 1 and 2): these stayed fastest or within 9 % at the benchmark shapes. One
+    rows of at least 16 blocks, else 2 (its activations and norms too); sweeps: benchmarks/RESULTS.md. One
     stage: the loop is pipelined by hand, and Triton's pipelining would stage the operands
     through shared memory. `kb`: the block (`mma_block`; 0: `_mma_block`); with wide blocks a warp takes half as
-    many blocks a step where the rule above gives 2 warps or 1 (the same inputs a step: 4096x14336, M = 16, 23.2
-    -> 21.1 us), the whole rule counted in default blocks.
+    many blocks a step where the rule above gives 2 warps or 1 (the same inputs a step), the whole rule counted in default blocks.
 
     Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
     every codebook lookup through shared memory."""
@@ -490,12 +462,7 @@ def _mid_config(n: int, ng: int, n_levels: int, g: int, m: int, kb: int = 0) -> 
     """(configuration, activation rows a program) of `_gemv_mma_kernel` for DOT_MAX_M < M <= MID_MAX_M, from the
     weight shape and that bucket of M only: 32 rows a program (16 up to 32 rows for fewer than 4096 outputs),
     4 warps of one block and 64 weight rows a program from 8192 outputs, 32 from 4096; fewer outputs keep the
-    M <= 16 configuration (more blocks per step: their grid is small). H200, Triton 3.6, 3-bit G = 128 unless
-    noted, graph replays of rotation + GEMV, us at M = 32 / 64 (dequantize + cuBLAS, the previous path, 29.5 /
-    28.4 at 4096x4096): 4096x4096 16.9 / 23.2; 4096x14336 32.8 / 60.6 (that path 90.0 / 90.9; 2-bit 29.1 / 53.4,
-    4-bit 38.6 / 70.0, runtime ternary 28.3 / 52.5); 14336x4096 48.3 / 62.0; 8192x28672 108.3 / 209.7 (4-bit
-    126.3 / 238.8; that path 343.6 / 351.9); 2048x8192 15.1 / 20.7; 2048->1024 6.3 / 7.4; 512->2048 5.0 / 6.4;
-    at M = 128 the GEMV no longer wins (8192x28672 365 against 346)."""
+    M <= 16 configuration (more blocks per step: their grid is small); sweeps: benchmarks/RESULTS.md."""
     base = _mma_block(n_levels, g)
     kb = kb or base
     if kb > base:  # wide blocks (`mma_block`): 2 blocks a warp, 4 warps of 16 rows below 8192 outputs, else 32 rows
@@ -630,9 +597,7 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
     else:
         signs1 = signs2 = hmat = norms  # (unused)
     pk = _packed_view(packed, 1)
-    # two programs an SM, each looping over blocks: H200, 3-bit, the rotation undone, us, 4 -> 2 an SM: 4096x4096
-    # 26.2 -> 22.3, 4096x14336 68.3 -> 57.9, 14336x4096 70.5 -> 59.5, 2048x8192 26.8 -> 22.3 (2- and 4-bit alike;
-    # 8 an SM or one program a block were slower, as were 128 rows a block or 8 warps)
+    # two programs an SM, each looping over blocks (faster than 4 or 8 an SM or one program a block)
     grid = (min(cdiv(n * ng, block_rows), programs or _sm_count(packed.device) * 2),)
     sel = select.reshape(-1) if select is not None else norms  # (unused without a selection)
     launch(_dequant_lut_kernel, grid, pk, norms.contiguous(), _f32(codebook), signs1, signs2, hmat, out, sel, n, width,
@@ -680,14 +645,8 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[key]
 
 
-# Longest rotated row (n_groups * G) whose rotation and GEMV use programmatic dependent launch. Measured on an
-# H200 (3-bit, CUDA graphs): rows of 4096 gain 0.6 us a call at M = 1 (4096x4096 8.3 -> 7.7 us, 4096->1024
-# 5.1 -> 4.5); rows of 14336 and 28672 lose 2 and 6 us, and rows of 8192 (8192->28672) ran 15 us over the
-# rotation plus the GEMV at M = 1 and 80 us at M = 2 (the GEMV's first wave, placed while the rotation still
-# holds SMs, ends unevenly). Those were the kernels of the time; the 3- and 4-bit pair GEMV of one activation row,
-# in its current configurations (`_pair_config`), gains with it on rows up to 14336 (3-bit 14336->4096 14.6 ->
-# 13.8 us, 8192->28672 37.2 -> 36.6; 4-bit 14336->4096 17.9 -> 17.5): PDL_MAX_K_PAIRS applies there, at M = 1 only
-# (M = 2 was not measured again).
+# Longest rotated row (n_groups * G) whose rotation and GEMV use programmatic dependent launch (longer rows lose
+# by it); PDL_MAX_K_PAIRS: the same for the 3- and 4-bit pair GEMV of one activation row (`_pair_config`), at M = 1.
 PDL_MAX_K = 4096
 PDL_MAX_K_PAIRS = 16384
 PDL_PAIR_LEVELS = (4, 8, 16)  # the codebook sizes PDL_MAX_K_PAIRS applies to

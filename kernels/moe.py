@@ -290,10 +290,7 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
     offsets (their results are never read). Inside a group the pairs' order follows the atomics' timing; each
     row's result does not (every row is its own product), so the layer's output is the same on every run.
 
-    Three launches and four allocations: on an H200 (E = 256, top-8, H = 2048, I = 512, 3-bit) the eager MoE call
-    took 748 / 650 / 880 us at 16 / 256 / 2048 tokens against 1160 / 1243 / 1580 us with a stable sort and a dozen
-    torch ops, and 176 / 370 / 633 against 212 / 415 / 702 us of device time as a CUDA graph
-    (`benchmarks/E2E.md`)."""
+    Three launches and four allocations, fewer than a stable sort and torch ops (`benchmarks/E2E.md`)."""
     t, k = top_k_index.shape
     p = t * k
     dev = top_k_index.device
@@ -626,11 +623,8 @@ def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, ou
 def _routed_config(pairs: int, e: int) -> tuple[int, int]:
     """(rows per block, weight rows per program) of `routed_lut_mm`: blocks of twice the mean group size rounded up
     to a power of two, 16 to 128 (a group seldom spans two blocks, so each routed expert's tiles are decoded about
-    once), 64 weight rows for the smallest blocks and 128 otherwise. H200, 3-bit, Qwen3.6 experts (E = 256, top-8),
-    gate/up and down us, best of 16-256 x 64-256 x 4-8 warps: mean group 1 (M = 32) 16 x 64: 144 / 81;
-    8 (M = 256) 16 x 64: 213 / 119; 16 (M = 512) 32 x 128: 240 / 134; 32 (M = 1024) 64 x 128: 283 / 178;
-    64 (M = 2048) 128 x 128: 334 / 222 (64 x 128: 424 / 255); 256 (M = 8192) 128 x 128: 803 / 543. Four warps
-    throughout (eight were slower everywhere; 256-row blocks spill)."""
+    once), 64 weight rows for the smallest blocks and 128 otherwise; four warps (eight were slower, 256-row blocks
+    spill)."""
     mean = max(1, -(-pairs // e))
     bm = max(16, min(128, next_power_of_2(2 * mean)))
     return bm, 64 if bm == 16 else 128
