@@ -22,6 +22,7 @@ import math
 import torch
 import triton
 
+from . import tuning
 from .launch import cdiv, launch, next_power_of_2
 from .gemv_fma import _gemv_fma_kernel
 from .gemv_mma import _gemv_dot_kernel, _gemv_mma_kernel
@@ -29,19 +30,6 @@ from .gemv_pairs import _gemv_pair_kernel, _pack_pairs_kernel
 from .prefill import _dequant_kernel, _dequant_lut_kernel
 from .ptx import _HAS_GDC
 from .rotation import _rotate_kernel, _rotate_rows_kernel
-
-# Largest M served by the tensor-core GEMV; above it: dequantize + cuBLAS.
-DOT_MAX_M = 16
-# Whether the tensor-core GEMV reads activations that the rotation wrote in its order (`_mma_column`, `x_order`),
-# for weights of at least X_ORDER_MIN values (rows x padded inputs); smaller weights keep the natural order
-# (measurements: benchmarks/RESULTS.md). Keyed on the weight shape, never on M.
-X_ORDER = True
-X_ORDER_MIN = 1 << 22
-# Largest M served by the FMA GEMV for 16-bit activations (float32 always uses it up to DOT_MAX_M).
-FMA_MAX_M = 1
-# Largest M served by the tensor-core GEMV with 32 activation rows a program (DOT_MAX_M < M, 16-bit activations,
-# 2-, 3- and 4-bit weights; `_mid_config`); 0: none, every M above DOT_MAX_M dequantizes for cuBLAS.
-MID_MAX_M = 64
 
 
 # ---------------------------------------------------------------------------
@@ -83,12 +71,6 @@ def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return _HADAMARD[key]
 
 
-# Activation rows up to which `rotate` runs the butterfly kernel (`_rotate_rows_kernel`, faster at small M, the same
-# output bit for bit) rather than the tensor-core one. ROWS_CONFIG, when set, overrides `_rows_config`.
-ROWS_MAX_M = 16
-ROWS_CONFIG = None
-
-
 def _rows_config(m: int, g: int) -> tuple[int, int]:
     """(groups a program, warps) of the butterfly rotation: one warp over 256 inputs a program for one or two
     rows, over 512 for more (more programs of less work each lose to the launch of their blocks)."""
@@ -124,8 +106,8 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     if m == 0:
         return (out.view(torch.int32), xs) if pairs else out
     pdl = _pdl(x2.device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
-    if m <= ROWS_MAX_M:
-        bg, warps = ROWS_CONFIG or _rows_config(m, g)
+    if m <= tuning.ROWS_MAX_M:
+        bg, warps = tuning.ROWS_CONFIG or _rows_config(m, g)
         launch(_rotate_rows_kernel, (m, cdiv(ng, bg)), x2, signs1, signs2, out, xs, k, ng, x2.stride(0),
                out.stride(0), xs.stride(0), 1.0 / math.sqrt(g), G=g, LG=g.bit_length() - 1, BG=bg, PER_T=unit,
                NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
@@ -164,14 +146,8 @@ def _fma_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
     return bn, gpi, warps
 
 
-# Which index numbers j of a unit are looked up with a load from the codebook (bit j set) rather
-# than a tree of selects: the mix that balances the load/store and integer pipes (the codebook
-# loads cost ~4 cycles of the load/store unit per warp, the selects 3/7/15 integer ops per weight).
-LUT_MASKS = {3: 0x5, 4: 0x0, 8: 0x11111111, 16: 0x55555555}
-
-
 def _with_mask(cfg: tuple, n_levels: int) -> tuple:
-    return tuple(cfg) if len(cfg) == 4 else (*cfg, LUT_MASKS[n_levels])
+    return tuple(cfg) if len(cfg) == 4 else (*cfg, tuning.LUT_MASKS[n_levels])
 
 
 def _gemv_shape(x: torch.Tensor, norms: torch.Tensor, experts: int, expert_index) -> tuple[int, int, int]:
@@ -203,11 +179,6 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
            UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
            EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels), num_warps=warps)
     return out
-
-
-# Largest M served by the pair GEMV, which decodes the weight once for BM = 1 or 2 activation rows (above it the
-# tensor-core GEMV or dequantize + cuBLAS; the kernel also takes BM = 4, slower than the tensor cores there).
-PAIR_MAX_M = 2
 
 
 _LUT_UNITS = {16: 8, 8: 32, 4: 16}  # codebook size -> indices a unit
@@ -381,18 +352,6 @@ def mma_order(n_levels: int, g: int) -> bool:
     return _mma_serves(n_levels, g) and g % _mma_block(n_levels, g) == 0
 
 
-# Wide blocks: 3-bit weights at G = 128 take blocks of two groups (KB = 256 inputs, each lane two consecutive units,
-# the group norms folded into the 16-bit values: `FOLD`) instead of one. A lane's words are then 8 consecutive
-# bytes of each of the unit's three planes, and the four lanes of a weight row read a whole 32-byte sector per
-# load, where blocks of one group use half of each sector per load instruction and leave the other half to the
-# next block's load. Used for weights of at least WIDE_MIN values with an even number of groups, below 16384 rows at
-# M <= DOT_MAX_M, any rows up to 2 DOT_MAX_M, and from 8192 rows above that (benchmarks/RESULTS.md). The cost is precision: each value times its norm is rounded to 16 bits (relative error of the product
-# 3.3e-3 against 2.6e-3 with one group a block, bfloat16, random data), about a fiftieth of the 3-bit
-# quantization error itself.
-WIDE = True
-WIDE_MIN = 1 << 22
-
-
 def wide_block(n_levels: int, g: int) -> int:
     """The wide block (inputs) of this codebook and group size, or 0 where there is none (see `WIDE`)."""
     return 2 * g if n_levels == 8 and g == 128 else 0
@@ -405,8 +364,8 @@ def mma_block(n_levels: int, g: int, n: int, ng: int, m: int) -> int:
     if not _mma_serves(n_levels, g):
         return 0
     wb = wide_block(n_levels, g)
-    rows_ok = n < 16384 if m <= DOT_MAX_M else (m <= 2 * DOT_MAX_M or n >= 8192)
-    if WIDE and wb and ng % (wb // g) == 0 and n * ng * g >= WIDE_MIN and rows_ok:
+    rows_ok = n < 16384 if m <= tuning.DOT_MAX_M else (m <= 2 * tuning.DOT_MAX_M or n >= 8192)
+    if tuning.WIDE and wb and ng % (wb // g) == 0 and n * ng * g >= tuning.WIDE_MIN and rows_ok:
         return wb
     return _mma_block(n_levels, g)
 
@@ -414,7 +373,7 @@ def mma_block(n_levels: int, g: int, n: int, ng: int, m: int) -> int:
 def uses_x_order(n: int, ng: int, n_levels: int, g: int) -> bool:
     """Whether `linear` runs the tensor-core GEMV of an `(n, ng groups of g)` weight on activations in its own order
     (`X_ORDER`, `X_ORDER_MIN`, `mma_order`); from the weight shape only."""
-    return X_ORDER and n * ng * g >= X_ORDER_MIN and mma_order(n_levels, g)
+    return tuning.X_ORDER and n * ng * g >= tuning.X_ORDER_MIN and mma_order(n_levels, g)
 
 
 def _dot_config(n: int, ng: int, n_levels: int, g: int, kb: int = 0) -> tuple:
@@ -479,7 +438,8 @@ def _mid_config(n: int, ng: int, n_levels: int, g: int, m: int, kb: int = 0) -> 
 
 def mid_m(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> bool:
     """Whether `m` rows of `dtype` activations take the tensor-core GEMV above DOT_MAX_M (`_mid_config`)."""
-    return DOT_MAX_M < m <= MID_MAX_M and dtype in (torch.bfloat16, torch.float16) and _mma_serves(n_levels, group_size)
+    sixteen = dtype in (torch.bfloat16, torch.float16)
+    return tuning.DOT_MAX_M < m <= tuning.MID_MAX_M and sixteen and _mma_serves(n_levels, group_size)
 
 
 def _check_block(n_levels: int, g: int, ng: int, block: int, ordered: bool) -> int:
@@ -530,7 +490,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
         kb = kb or mma_block(n_levels, group_size, n, ng, m)
         default = _dot_config(n, ng, n_levels, group_size, kb)
         bm = 8 if m <= 8 else 16
-        if m > DOT_MAX_M:
+        if m > tuning.DOT_MAX_M:
             default, bm = _mid_config(n, ng, n_levels, group_size, m, kb)
         bm = mma_rows or bm
         cfg = tuple(config or default)
@@ -622,7 +582,8 @@ def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torc
     grid = (cdiv(n, bn), ng)
     launch(_dequant_kernel, grid, pk, norms, codebook, out, n, ng, out.stride(0),
            NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
-           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=LUT_MASKS[n_levels], TUNED=_tuned(packed, n_levels),
+           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=tuning.LUT_MASKS[n_levels],
+           TUNED=_tuned(packed, n_levels),
            num_warps=4)
     return out
 
@@ -645,19 +606,13 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[key]
 
 
-# Longest rotated row (n_groups * G) whose rotation and GEMV use programmatic dependent launch (longer rows lose
-# by it); PDL_MAX_K_PAIRS: the same for the 3- and 4-bit pair GEMV of one activation row (`_pair_config`), at M = 1.
-PDL_MAX_K = 4096
-PDL_MAX_K_PAIRS = 16384
-PDL_PAIR_LEVELS = (4, 8, 16)  # the codebook sizes PDL_MAX_K_PAIRS applies to
-
-
 def _pdl(device: torch.device, k: int = 0, n_levels: int = 0) -> bool:
     """Whether the rotation and the pair GEMV after it use programmatic dependent launch on `device` for rows of
     `k` rotated inputs: the GEMV's launch and prologue overlap the rotation's run (CUDA, compute capability
     >= 9.0, a Triton with the intrinsics, not the interpreter, k <= PDL_MAX_K, or PDL_MAX_K_PAIRS for the pair
     GEMV of a codebook size in PDL_PAIR_LEVELS; `TURBOQUANT_PDL=0` turns it off)."""
-    limit = PDL_MAX_K_PAIRS if n_levels in PDL_PAIR_LEVELS else PDL_MAX_K  # (callers pass n_levels for M = 1 only)
+    # (callers pass n_levels for M = 1 only)
+    limit = tuning.PDL_MAX_K_PAIRS if n_levels in tuning.PDL_PAIR_LEVELS else tuning.PDL_MAX_K
     if device.type != "cuda" or not _HAS_GDC or k > limit or _interpreting():
         return False
     key = device.index if device.index is not None else torch.cuda.current_device()
@@ -700,6 +655,20 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def path(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> str:
+    """The product for M activation rows in `dtype` (the one dispatch table of `product` and `linear`): "pairs"
+    (`gemv_pairs`, M <= PAIR_MAX_M, 16-bit, a lookup unit), "fma" (`gemv_fma`, M <= FMA_MAX_M, or float32 up to
+    DOT_MAX_M), "dot" (`gemv_dot`, M <= DOT_MAX_M or `mid_m`), else "prefill" (dequantize, then cuBLAS)."""
+    sixteen = dtype in (torch.bfloat16, torch.float16)
+    if m <= tuning.PAIR_MAX_M and sixteen and lut_unit(n_levels, group_size):
+        return "pairs"
+    if m <= tuning.FMA_MAX_M or (m <= tuning.DOT_MAX_M and not sixteen):
+        return "fma"
+    if m <= tuning.DOT_MAX_M or mid_m(m, n_levels, group_size, dtype):
+        return "dot"
+    return "prefill"
+
+
 def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
             group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
     """Already-rotated activations `(M, n_groups*G)` times the packed weight -> `(M, rows)` in `out_dtype`.
@@ -710,14 +679,15 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
     m = x_rot.shape[0]
     sixteen = out_dtype in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    if m <= PAIR_MAX_M and sixteen and unit:
+    route = path(m, codebook.numel(), group_size, out_dtype)
+    if route == "pairs":
         x2, xs = pack_pairs(x_rot, unit, group_size)
         return gemv_pairs(x2, xs, packed, norms, codebook, group_size, out_dtype)
     norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
-    if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
+    if route == "fma":
         return gemv_fma(_f32(x_rot), packed, norms, codebook, group_size, out_dtype)
-    if m <= DOT_MAX_M or mid_m(m, codebook.numel(), group_size, out_dtype):
+    if route == "dot":
         xr = x_rot.float().contiguous() if _interpreting() else x_rot.to(out_dtype).contiguous()
         return gemv_dot(xr, packed, norms, codebook, group_size, out_dtype)
     xr = x_rot.to(out_dtype if sixteen else torch.float32).contiguous()
@@ -742,15 +712,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     dt = x.dtype
     sixteen = dt in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    if m <= PAIR_MAX_M and sixteen and unit:
+    route = path(m, codebook.numel(), group_size, dt)
+    if route == "pairs":
         xp, xs = rotate(x2, s1, s2, group_size, dt, unit=unit)
         return gemv_pairs(xp, xs, packed, norms, codebook, group_size, dt).reshape(*lead, n)
     norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
-    if m <= FMA_MAX_M or (m <= DOT_MAX_M and not sixteen):
+    if route == "fma":
         x_rot = rotate(x2, s1, s2, group_size, torch.float32)
         y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)
-    elif m <= DOT_MAX_M or mid_m(m, codebook.numel(), group_size, dt):
+    elif route == "dot":
         # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
         nl = codebook.numel()
         order = uses_x_order(n, ng, nl, group_size)
