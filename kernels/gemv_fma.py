@@ -17,7 +17,7 @@ def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, NG, s
                      NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, WPU: tl.constexpr,
                      UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr, GPI: tl.constexpr,
                      LUT_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_G: tl.constexpr,
-                     EXPERTS: tl.constexpr, X_DIV: tl.constexpr, TUNED: tl.constexpr):
+                     EXPERTS: tl.constexpr, X_DIV: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     if EXPERTS > 0:
@@ -75,12 +75,12 @@ def _gemv_fma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, N, NG, s
                 part += c * xj[None, :, :]
         else:
             if EVEN_N and EVEN_G:
-                w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, n3, NG * UPG)
+                w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, RUNTIME_LAYOUT, n3, NG * UPG)
             else:
-                w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None, None] & gmask[None, :, None], WPU, TUNED,
+                w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None, None] & gmask[None, :, None], WPU, RUNTIME_LAYOUT,
                                          n3, NG * UPG)
             for j in tl.static_range(PER):
-                c = _value(w0, w1, w2, cb_ptr, j, NLEV, LUT_MASK, TUNED, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+                c = _value(w0, w1, w2, cb_ptr, j, NLEV, LUT_MASK, RUNTIME_LAYOUT, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
                 if EVEN_G:
                     xj = tl.load(xbase + j)
                 else:

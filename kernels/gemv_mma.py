@@ -13,12 +13,12 @@ from .units import _codebook16, _decode_unit_values, _load_units
 
 @triton.jit
 def _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.constexpr,
-               TUNED: tl.constexpr = 0):
+               RUNTIME_LAYOUT: tl.constexpr = 0):
     """The eight codebook values of the indices in the nibbles of uint32 `d` (3-bit fields for codebooks of
     up to 8 entries, 4-bit for 16) as four uint32 pairs of 16-bit patterns: values (0, 1), (2, 3), (4, 5),
-    (6, 7), the first of each pair in the low half. TUNED with 16 entries: sign-magnitude codes (the 4-bit
+    (6, 7), the first of each pair in the low half. RUNTIME_LAYOUT with 16 entries: sign-magnitude codes (the 4-bit
     runtime layout), entries 8 .. 15 the negatives of 0 .. 7 (only t0 .. t3 are read)."""
-    if NLEV == 16 and TUNED:
+    if NLEV == 16 and RUNTIME_LAYOUT:
         if USE_ASM:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _PAIR16S_ASM, "=r,=r,=r,=r,r,r,r,r,r", [d, t0, t1, t2, t3], dtype=(tl.uint32,) * 4, is_pure=True,
@@ -154,15 +154,15 @@ def _mma_join8(a0, a1, a2, a3, a4, a5, a6, a7):
 
 @triton.jit
 def _mma_chunk(w0, w1, w2, CH: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.constexpr,
-               TUNED: tl.constexpr, F16: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr):
+               RUNTIME_LAYOUT: tl.constexpr, F16: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr):
     """Values 8 CH .. 8 CH + 7 of every unit as four uint32 pair tensors (FOLD: scaled by the norms)."""
     if NLEV == 16:
         d = w0
-    elif NLEV == 8 and TUNED and CH == 3 and USE_ASM:  # the top bits of the three words, shifted on the FMA pipe
+    elif NLEV == 8 and RUNTIME_LAYOUT and CH == 3 and USE_ASM:  # the top bits of the three words, shifted on the FMA pipe
         d = tl.inline_asm_elementwise(_TOP3_ASM, "=r,r,r,r", [w0, w1, w2], dtype=tl.uint32, is_pure=True, pack=1)
     else:
-        d = _unit_nibbles(w0, w1, w2, CH, NLEV, TUNED)
-    p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM, TUNED)
+        d = _unit_nibbles(w0, w1, w2, CH, NLEV, RUNTIME_LAYOUT)
+    p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM, RUNTIME_LAYOUT)
     if FOLD:
         p0 = _mma_scale(p0, nsc, F16, USE_ASM)
         p1 = _mma_scale(p1, nsc, F16, USE_ASM)
@@ -172,11 +172,11 @@ def _mma_chunk(w0, w1, w2, CH: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7, nsc
 
 
 @triton.jit
-def _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.constexpr, TUNED: tl.constexpr,
+def _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
                     F16: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr):
     """Units (uint32 words w0..w2 of any shape `[...]`) -> their PER / 2 value pairs as uint32 `[..., 2, 2, ...]`:
     pair q (values 2q, 2q + 1) at index q = q0 + 2 q1 + ... of the new axes."""
-    if NLEV == 4 and TUNED:
+    if NLEV == 4 and RUNTIME_LAYOUT:
         a0, a1, a2, a3, b0, b1, b2, b3 = _mma_pairs2(w0, t0, t2, USE_ASM)
         if FOLD:  # (groups of 32 inputs)
             a0 = _mma_scale(a0, nsc, F16, USE_ASM)
@@ -189,28 +189,28 @@ def _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.co
             b3 = _mma_scale(b3, nsc, F16, USE_ASM)
         v = _mma_join8(a0, a1, a2, a3, b0, b1, b2, b3)
     elif NLEV == 16:
-        a0, a1, a2, a3 = _mma_chunk(w0, w1, w2, 0, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+        a0, a1, a2, a3 = _mma_chunk(w0, w1, w2, 0, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, FOLD,
                                     USE_ASM)
         v = _mma_join4(a0, a1, a2, a3)
     else:
-        a0, a1, a2, a3 = _mma_chunk(w0, w1, w2, 0, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+        a0, a1, a2, a3 = _mma_chunk(w0, w1, w2, 0, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, FOLD,
                                     USE_ASM)
-        b0, b1, b2, b3 = _mma_chunk(w0, w1, w2, 1, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+        b0, b1, b2, b3 = _mma_chunk(w0, w1, w2, 1, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, FOLD,
                                     USE_ASM)
         v = _mma_join8(a0, a1, a2, a3, b0, b1, b2, b3)
         if NLEV == 8:
-            c0, c1, c2, c3 = _mma_chunk(w0, w1, w2, 2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+            c0, c1, c2, c3 = _mma_chunk(w0, w1, w2, 2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, FOLD,
                                         USE_ASM)
-            e0, e1, e2, e3 = _mma_chunk(w0, w1, w2, 3, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD,
+            e0, e1, e2, e3 = _mma_chunk(w0, w1, w2, 3, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, FOLD,
                                         USE_ASM)
             v = tl.join(v, _mma_join8(c0, c1, c2, c3, e0, e1, e2, e3))
     return v
 
 
 @triton.jit
-def _mma_words(pk_ptr, row, un, NUT: tl.constexpr, WPU: tl.constexpr, TUNED: tl.constexpr):
+def _mma_words(pk_ptr, row, un, NUT: tl.constexpr, WPU: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
     """The uint32 words of units `un` (numbered along the row) of rows `row`, read once (evict first)."""
-    if WPU == 3 and TUNED:  # three planes per row: word p of unit u at p * NUT + u
+    if WPU == 3 and RUNTIME_LAYOUT:  # three planes per row: word p of unit u at p * NUT + u
         base = pk_ptr + row * (3 * NUT) + un
         step = NUT
     elif WPU == 3:
@@ -309,7 +309,7 @@ def _mma_block_norms(nrm_ptr, nb, nrow, N, NBLK: tl.constexpr, UPB: tl.constexpr
 def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_xm, stride_om,
                      NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr,
                      WPU: tl.constexpr, UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr,
-                     BM: tl.constexpr, LUT_MASK: tl.constexpr, TUNED: tl.constexpr):
+                     BM: tl.constexpr, LUT_MASK: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
     """Ternary weights (and any codebook, if called so): one group per step decoded with select trees
     (`_decode_unit_values`) into a `[BN, G]` tile in the activations' dtype, one `tl.dot` per group."""
     pid_n = tl.program_id(0)
@@ -335,9 +335,9 @@ def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_
     g = 0
     while g < NG:
         unit_off = (rn[:, None] * NG + g) * UPG + ru[None, :]
-        w0, w1, w2 = _load_units(pk_ptr, unit_off, wmask, WPU, TUNED, rn[:, None], NG * UPG)
+        w0, w1, w2 = _load_units(pk_ptr, unit_off, wmask, WPU, RUNTIME_LAYOUT, rn[:, None], NG * UPG)
         xt = tl.load(xptrs + g * G, mask=xmask, other=0.0)
-        w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, DT, LUT_MASK, TUNED, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+        w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, DT, LUT_MASK, RUNTIME_LAYOUT, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
         w = tl.reshape(w, [BN, BK])
         part = tl.dot(w, xt)
         nr = tl.load(nrm_ptr + rn * NG + g, mask=nmask, other=0.0)
@@ -350,7 +350,7 @@ def _gemv_dot_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, NG, stride_
 @triton.jit
 def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, stride_om,
                      NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr,
-                     BM: tl.constexpr, S: tl.constexpr, TUNED: tl.constexpr, F16: tl.constexpr,
+                     BM: tl.constexpr, S: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr, F16: tl.constexpr,
                      PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, LANES_FIRST: tl.constexpr = 0,
                      XORDER: tl.constexpr = 0):
     """2-, 3- and 4-bit weights on the tensor cores: one program per BN weight rows x BM (8 or 16) activation
@@ -439,7 +439,7 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
         un = bw * UPB + ub
         if PART:
             un = tl.minimum(un, NUT - 1)
-        w0, w1, w2 = _mma_words(pk_ptr, row, un, NUT, WPU, TUNED)
+        w0, w1, w2 = _mma_words(pk_ptr, row, un, NUT, WPU, RUNTIME_LAYOUT)
     if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
         gdc_wait()
     XAHEAD: tl.constexpr = PREFETCH == 2  # activations and norms also a block ahead
@@ -460,9 +460,9 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
             if PART:
                 un = tl.minimum(un, NUT - 1)
             if AHEAD:
-                n0, n1, n2 = _mma_words(pk_ptr, row, un, NUT, WPU, TUNED)
+                n0, n1, n2 = _mma_words(pk_ptr, row, un, NUT, WPU, RUNTIME_LAYOUT)
             else:
-                w0, w1, w2 = _mma_words(pk_ptr, row, un, NUT, WPU, TUNED)
+                w0, w1, w2 = _mma_words(pk_ptr, row, un, NUT, WPU, RUNTIME_LAYOUT)
         nsc = t0  # (FOLD only)
         if FOLD:  # per-unit norms, folded into the values (zero for units past the row's end)
             uf = (i * S + as_) * UPB + ub
@@ -478,7 +478,7 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
                 else:
                     nsc = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [nsc], dtype=tl.uint32,
                                                     is_pure=True, pack=1)
-        v = _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, TUNED, F16, FOLD, USE_ASM)
+        v = _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, FOLD, USE_ASM)
         # axes h a s l t r q0 q1 .. -> s a h l r .. q1 q0 t: rows 16 a + 8 h + l, k = e + 2t + 8 (q + r PER/2)
         # (LANES_FIRST: from t l s h a r q0 q1 ..)
         if LANES_FIRST:

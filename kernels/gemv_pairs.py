@@ -123,7 +123,7 @@ def _group_chains(h, GRP: tl.constexpr, UT: tl.constexpr, USE_ASM: tl.constexpr)
 
 @triton.jit
 def _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr,
-                    TUNED: tl.constexpr, NUT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                    RUNTIME_LAYOUT: tl.constexpr, NUT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                     USE_ASM: tl.constexpr, UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
     """Units `[BN, BU]` (words w0..w2), decoded once, times the activation pairs of BM (1, 2 or 4) rows at
     xr0..xr3 (those past BM unused): one float16 chain per unit and row; the chains of GRP consecutive units
@@ -133,7 +133,7 @@ def _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, 
     h1 = h0
     h2 = h0
     h3 = h0
-    if NLEV == 4 and TUNED:
+    if NLEV == 4 and RUNTIME_LAYOUT:
         p0, p1, p2, p3, p4, p5, p6, p7 = _mma_pairs2(w0, t0, t2, USE_ASM)
         h0 = _chain4(p4, p5, p6, p7, 4, xr0, NUT, xu, BN, _chain4(p0, p1, p2, p3, 0, xr0, NUT, xu, BN, h0, USE_ASM, UT),
                      USE_ASM, UT)
@@ -150,12 +150,12 @@ def _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, 
         for ch in tl.static_range(PER // 8):
             if NLEV == 16:
                 d = w0
-            elif NLEV == 8 and TUNED and ch == 3 and USE_ASM:  # the top bits of the three words (FMA pipe)
+            elif NLEV == 8 and RUNTIME_LAYOUT and ch == 3 and USE_ASM:  # the top bits of the three words (FMA pipe)
                 d = tl.inline_asm_elementwise(_TOP3_ASM, "=r,r,r,r", [w0, w1, w2], dtype=tl.uint32, is_pure=True,
                                               pack=1)
             else:
-                d = _unit_nibbles(w0, w1, w2, ch, NLEV, TUNED)
-            p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM, TUNED)
+                d = _unit_nibbles(w0, w1, w2, ch, NLEV, RUNTIME_LAYOUT)
+            p0, p1, p2, p3 = _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, USE_ASM, RUNTIME_LAYOUT)
             h0 = _chain4(p0, p1, p2, p3, 4 * ch, xr0, NUT, xu, BN, h0, USE_ASM, UT)
             if BM > 1:
                 h1 = _chain4(p0, p1, p2, p3, 4 * ch, xr1, NUT, xu, BN, h1, USE_ASM, UT)
@@ -207,17 +207,17 @@ def _pair_tile(rl, u0, BU: tl.constexpr, UT: tl.constexpr = 0):
 
 @triton.jit
 def _pair_words(pk_ptr, nrm_ptr, rl, u0, BU: tl.constexpr, NUT: tl.constexpr, NG: tl.constexpr,
-                UPG: tl.constexpr, WPU: tl.constexpr, TUNED: tl.constexpr, EVEN_U: tl.constexpr,
+                UPG: tl.constexpr, WPU: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr, EVEN_U: tl.constexpr,
                 UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
     """Words of units `u0 .. u0 + BU - 1` of rows `rl` `[BN]`, and the float32 group norms of their BU / GRP
     groups of GRP units (units past the row's end, when the step does not divide it: zero words and norms)."""
     r2, u2 = _pair_tile(rl, u0, BU, UT)
     unit_off = r2 * NUT + u2
     if EVEN_U:
-        w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, TUNED, r2, NUT)
+        w0, w1, w2 = _load_units(pk_ptr, unit_off, None, WPU, RUNTIME_LAYOUT, r2, NUT)
     else:
         um = (r2 >= 0) & (u2 < NUT)
-        w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, TUNED, r2, NUT)
+        w0, w1, w2 = _load_units(pk_ptr, unit_off, um, WPU, RUNTIME_LAYOUT, r2, NUT)
     return w0, w1, w2, _pair_norms(nrm_ptr, rl, u0, BU, NUT, NG, UPG, EVEN_U, UT, GRP)
 
 
@@ -251,7 +251,7 @@ def _group_firsts(v, GRP: tl.constexpr, UT: tl.constexpr):
 def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr, M, N, stride_xm, stride_sm,
                       stride_om, NG: tl.constexpr, NLEV: tl.constexpr, UPG: tl.constexpr, BN: tl.constexpr,
                       BU: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr,
-                      X_DIV: tl.constexpr, TUNED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                      X_DIV: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
                       UT: tl.constexpr = 0, GRP: tl.constexpr = 1):
     """One program per BN weight rows and BM (1, 2 or 4) activation rows: one unit per lane and row per step,
     decoded once; each activation row's float16 pair chains (`_unit_pair_sums`; those of GRP consecutive units
@@ -294,7 +294,7 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
     acc2 = acc0
     acc3 = acc0
     if PREFETCH:
-        n0, n1, n2, nrn = _pair_words(pk_ptr, nrm_ptr, rl, 0, BU, NUT, NG, UPG, WPU, TUNED, EVEN_U, UT, GRP)
+        n0, n1, n2, nrn = _pair_words(pk_ptr, nrm_ptr, rl, 0, BU, NUT, NG, UPG, WPU, RUNTIME_LAYOUT, EVEN_U, UT, GRP)
     if PDL:  # launched early (programmatic dependent launch): the activations are the previous kernel's output
         gdc_wait()
     for u0 in tl.range(0, NUT, BU):
@@ -306,14 +306,14 @@ def _gemv_pair_kernel(x2_ptr, xs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, idx_ptr,
             nr = nrn
             # (the step after the last: masked off, which keeps the loads vectorized where clamped addresses
             # would not)
-            n0, n1, n2, nrn = _pair_words(pk_ptr, nrm_ptr, rl, u0 + BU, BU, NUT, NG, UPG, WPU, TUNED, False, UT,
+            n0, n1, n2, nrn = _pair_words(pk_ptr, nrm_ptr, rl, u0 + BU, BU, NUT, NG, UPG, WPU, RUNTIME_LAYOUT, False, UT,
                                           GRP)
         else:
-            w0, w1, w2, nr = _pair_words(pk_ptr, nrm_ptr, rl, u0, BU, NUT, NG, UPG, WPU, TUNED, EVEN_U, UT, GRP)
+            w0, w1, w2, nr = _pair_words(pk_ptr, nrm_ptr, rl, u0, BU, NUT, NG, UPG, WPU, RUNTIME_LAYOUT, EVEN_U, UT, GRP)
         # (units past the row's end: zero norms and scales, activations of the last unit)
         xu = uu if EVEN_U else tl.minimum(uu, NUT - 1)
         s0, s1, s2, s3 = _unit_pair_sums(w0, w1, w2, xr0, xr1, xr2, xr3, xu, t0, t1, t2, t3, t4, t5, t6, t7, NLEV,
-                                         TUNED, NUT, BN, BM, USE_ASM, UT, GRP)
+                                         RUNTIME_LAYOUT, NUT, BN, BM, USE_ASM, UT, GRP)
         acc0 += s0 * (nr * _group_firsts(_pair_scales(sr0, uu, UPG, NUT, EVEN_U, BN, UT), GRP, UT))
         if BM > 1:
             acc1 += s1 * (nr * _group_firsts(_pair_scales(sr1, uu, UPG, NUT, EVEN_U, BN, UT), GRP, UT))

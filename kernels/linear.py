@@ -177,7 +177,7 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     launch(_gemv_fma_kernel, grid, x_rot, pk, norms, codebook, out, idx, n, ng, x_rot.stride(0), out.stride(0),
            NLEV=n_levels, G=group_size, PER=geo["PER"], WPU=geo["WPU"], UPG=geo["UPG"],
            UPG_P=geo["UPG_P"], BN=bn, GPI=gpi, LUT_MASK=lut, EVEN_N=n % bn == 0, EVEN_G=ng % gpi == 0,
-           EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels), num_warps=warps)
+           EXPERTS=experts, X_DIV=x_div, RUNTIME_LAYOUT=_runtime_layout(packed, n_levels), num_warps=warps)
     return out
 
 
@@ -308,7 +308,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
         _gemv_pair_kernel, (cdiv(n, bn), cdiv(m, bm)),
         x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, m, n, x2.stride(0), xs.stride(0),
         out.stride(0), NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm, USE_ASM=not _interpreting(),
-        EXPERTS=experts, X_DIV=x_div, TUNED=_tuned(packed, n_levels, signed=True), PDL=pdl, PREFETCH=int(bool(prefetch)),
+        EXPERTS=experts, X_DIV=x_div, RUNTIME_LAYOUT=_runtime_layout(packed, n_levels, signed=True), PDL=pdl, PREFETCH=int(bool(prefetch)),
         UT=_lanes_first(), GRP=grp, num_warps=warps, **opts)
     return out
 
@@ -510,7 +510,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
             _gemv_mma_kernel, (cdiv(n, bn), cdiv(m, bm)),
             x_rot, _packed_view(packed, 1), norms, codebook, out, m, n, x_rot.stride(0), out.stride(0), NG=ng,
             NLEV=n_levels, G=group_size, KB=kb, BN=bn, BM=bm, S=warps * blocks,
-            TUNED=_tuned(packed, n_levels, signed=True), F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(), PDL=pdl,
+            RUNTIME_LAYOUT=_runtime_layout(packed, n_levels, signed=True), F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(), PDL=pdl,
             LANES_FIRST=_lanes_first(), XORDER=bool(x_order),
             num_warps=warps, num_stages=stages, **opts)
         return out
@@ -520,7 +520,7 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     grid = (cdiv(n, bn), cdiv(m, block_m))
     launch(_gemv_dot_kernel, grid, x_rot, pk, norms, codebook, out, m, n, ng, x_rot.stride(0), out.stride(0),
            NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
-           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, TUNED=_tuned(packed, n_levels),
+           UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, BM=block_m, LUT_MASK=lut, RUNTIME_LAYOUT=_runtime_layout(packed, n_levels),
            num_warps=warps,
            num_stages=stages)
     return out
@@ -562,7 +562,7 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
     sel = select.reshape(-1) if select is not None else norms  # (unused without a selection)
     launch(_dequant_lut_kernel, grid, pk, norms.contiguous(), _f32(codebook), signs1, signs2, hmat, out, sel, n, width,
            out.stride(0), 1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
-           UPG=group_size // per, BR=block_rows, TUNED=_tuned(packed, n_levels),
+           UPG=group_size // per, BR=block_rows, RUNTIME_LAYOUT=_runtime_layout(packed, n_levels),
            USE_ASM=not interp, UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
            num_warps=warps)
     return out
@@ -583,7 +583,7 @@ def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torc
     launch(_dequant_kernel, grid, pk, norms, codebook, out, n, ng, out.stride(0),
            NLEV=n_levels, G=group_size, PER=geo["PER"], PER_P=geo["PER_P"], WPU=geo["WPU"],
            UPG=geo["UPG"], UPG_P=geo["UPG_P"], BN=bn, LUT_MASK=tuning.LUT_MASKS[n_levels],
-           TUNED=_tuned(packed, n_levels),
+           RUNTIME_LAYOUT=_runtime_layout(packed, n_levels),
            num_warps=4)
     return out
 
@@ -629,7 +629,7 @@ def _interpreting() -> bool:
     return type(_rotate_kernel).__name__ == "InterpretedFunction"
 
 
-def _tuned(packed: torch.Tensor, n_levels: int, signed: bool = False) -> bool:
+def _runtime_layout(packed: torch.Tensor, n_levels: int, signed: bool = False) -> bool:
     """Whether a kernel reads `packed` as the runtime layout (int32 words, `turboquant_hf.layout`) rather than
     the published byte layout (uint8). 4-bit words keep their nibbles where the published bytes have them and
     hold sign-magnitude codes: only kernels whose lookups take the sign from the top bit (`signed`: the

@@ -163,14 +163,14 @@ def _chunk(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr):
 
 
 @triton.jit
-def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.constexpr):
+def _unit_nibbles(w0, w1, w2, CH: tl.constexpr, NLEV: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
     """Chunk CH (eight indices) of a unit as the nibbles of a uint32. In the runtime layout the fields
     already sit in nibbles: 3-bit units hold indices 8p..8p+7 in the low three bits of word p's
     nibbles and indices 24..31 in their top bits (bit p of index 24+n in nibble n of word p); 2-bit
     units hold indices 0-7 in the low two bits of each nibble and 8-15 in the high two."""
     if NLEV == 16:
         d = w0  # (4-bit indices are nibbles already)
-    elif not TUNED:
+    elif not RUNTIME_LAYOUT:
         d = _nibbles(_chunk(w0, w1, w2, CH, NLEV), NLEV)
     elif NLEV == 8:
         if CH == 0:

@@ -568,7 +568,7 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
 @triton.jit
 def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, stride_x, stride_o,
                           E: tl.constexpr, EP: tl.constexpr, NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr,
-                          UPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, TUNED: tl.constexpr,
+                          UPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
                           USE_ASM: tl.constexpr, GATHER: tl.constexpr):
     """Rows grouped by expert (group e ends at `offs[e]`) times their experts' rotated-basis matrices, each weight
     tile decoded in registers (byte-permute lookups, group norm) and fed straight to the tensor cores as the left
@@ -608,8 +608,8 @@ def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, ou
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for gi in tl.range(0, NG):
         rs = wrow * NG + gi
-        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], None, WPU, TUNED, wrow[:, None], NUT)
-        v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, USE_ASM), [BN, G])
+        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], None, WPU, RUNTIME_LAYOUT, wrow[:, None], NUT)
+        v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, RUNTIME_LAYOUT, USE_ASM), [BN, G])
         v = v * tl.load(nrm_ptr + rs).to(tl.float32)[:, None]
         xt = tl.load(x_ptr + src[None, :] * stride_x + (gi * G + kk)[:, None])
         if USE_ASM:  # 16-bit operands, float32 accumulation
@@ -660,6 +660,6 @@ def routed_lut_mm(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, nor
            norms.contiguous(), L._f32(codebook), out, n, xs.stride(0), out.stride(0),
            E=num_experts, EP=next_power_of_2(num_experts), NG=ng,
            NLEV=codebook.numel(), G=group_size, UPG=group_size // per, BN=bn, BM=bm,
-           TUNED=L._tuned(packed, codebook.numel()), USE_ASM=not L._interpreting(),
+           RUNTIME_LAYOUT=L._runtime_layout(packed, codebook.numel()), USE_ASM=not L._interpreting(),
            GATHER=xrow is not None, num_warps=warps)
     return out

@@ -18,7 +18,7 @@ from .units import _codebook16, _decode_unit_values, _load_units
 def _dequant_kernel(pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_on,
                     NLEV: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr,
                     WPU: tl.constexpr, UPG: tl.constexpr, UPG_P: tl.constexpr, BN: tl.constexpr,
-                    LUT_MASK: tl.constexpr, TUNED: tl.constexpr):
+                    LUT_MASK: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codebook16(cb_ptr, NLEV)
@@ -30,9 +30,9 @@ def _dequant_kernel(pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, NG, stride_on,
     kin = (col // PER_P) * PER + col % PER_P
     kvalid = (col % PER_P < PER) & (kin < G)
     unit_off = (rn[:, None] * NG + g) * UPG + ru[None, :]
-    w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None] & (ru < UPG)[None, :], WPU, TUNED, rn[:, None],
+    w0, w1, w2 = _load_units(pk_ptr, unit_off, nmask[:, None] & (ru < UPG)[None, :], WPU, RUNTIME_LAYOUT, rn[:, None],
                               NG * UPG)
-    w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, tl.float32, LUT_MASK, TUNED, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+    w = _decode_unit_values(w0, w1, w2, cb_ptr, PER_P, NLEV, PER, tl.float32, LUT_MASK, RUNTIME_LAYOUT, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
     w = tl.reshape(w, [BN, BK])
     nr = tl.load(nrm_ptr + rn * NG + g, mask=nmask, other=0.0)
     w = w * nr[:, None]
@@ -48,25 +48,25 @@ def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, TUNED: tl.constexpr,
+def _lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
               USE_ASM: tl.constexpr):
     """`[R, U]` units of a 2-, 3- or 4-bit weight -> their float32 codebook values (from the `_byte_tables`,
     16-bit precision) as `[R, U, 2, ..., 2]`: flattened, value j of unit u sits at `u * PER + j`, the
     natural order of the inputs."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = _lut8(_unit_nibbles(w0, w1, w2, 0, NLEV, TUNED), t0, t1, t2, t3, t4, t5, t6, t7,
+    a0, a1, a2, a3, a4, a5, a6, a7 = _lut8(_unit_nibbles(w0, w1, w2, 0, NLEV, RUNTIME_LAYOUT), t0, t1, t2, t3, t4, t5, t6, t7,
                                            NLEV, USE_ASM)
     if NLEV == 16:
         out = _join8(a0, a1, a2, a3, a4, a5, a6, a7)
     else:
-        b0, b1, b2, b3, b4, b5, b6, b7 = _lut8(_unit_nibbles(w0, w1, w2, 1, NLEV, TUNED), t0, t1, t2, t3, t4, t5, t6,
+        b0, b1, b2, b3, b4, b5, b6, b7 = _lut8(_unit_nibbles(w0, w1, w2, 1, NLEV, RUNTIME_LAYOUT), t0, t1, t2, t3, t4, t5, t6,
                                                t7, NLEV, USE_ASM)
         if NLEV == 4:  # two chunks of eight: chunk is the slower of the two
             out = _join8(tl.join(a0, b0), tl.join(a1, b1), tl.join(a2, b2), tl.join(a3, b3),
                          tl.join(a4, b4), tl.join(a5, b5), tl.join(a6, b6), tl.join(a7, b7))
         else:  # four chunks of eight (3-bit)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _lut8(_unit_nibbles(w0, w1, w2, 2, NLEV, TUNED), t0, t1, t2, t3, t4, t5,
+            c0, c1, c2, c3, c4, c5, c6, c7 = _lut8(_unit_nibbles(w0, w1, w2, 2, NLEV, RUNTIME_LAYOUT), t0, t1, t2, t3, t4, t5,
                                                    t6, t7, NLEV, USE_ASM)
-            e0, e1, e2, e3, e4, e5, e6, e7 = _lut8(_unit_nibbles(w0, w1, w2, 3, NLEV, TUNED), t0, t1, t2, t3, t4, t5,
+            e0, e1, e2, e3, e4, e5, e6, e7 = _lut8(_unit_nibbles(w0, w1, w2, 3, NLEV, RUNTIME_LAYOUT), t0, t1, t2, t3, t4, t5,
                                                    t6, t7, NLEV, USE_ASM)
             out = _join8(tl.join(tl.join(a0, c0), tl.join(b0, e0)), tl.join(tl.join(a1, c1), tl.join(b1, e1)),
                          tl.join(tl.join(a2, c2), tl.join(b2, e2)), tl.join(tl.join(a3, c3), tl.join(b3, e3)),
@@ -78,7 +78,7 @@ def _lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, TU
 @triton.jit
 def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, h_ptr, out_ptr, sel_ptr, N, K, stride_on, scale,
                         NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, UPG: tl.constexpr,
-                        BR: tl.constexpr, TUNED: tl.constexpr, USE_ASM: tl.constexpr, UNROT: tl.constexpr,
+                        BR: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, UNROT: tl.constexpr,
                         SEL_ROWS: tl.constexpr):
     """One program per BR consecutive (row, group) pairs of a 2-, 3- or 4-bit weight: their units are one
     contiguous run, decoded with the byte-permute lookups and scaled by the group norms.
@@ -117,8 +117,8 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, h_ptr, out_ptr,
             src = n
             rs = r
             umask = None
-        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], umask, WPU, TUNED, src[:, None], NUT)
-        v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, USE_ASM), [BR, G])
+        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], umask, WPU, RUNTIME_LAYOUT, src[:, None], NUT)
+        v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, RUNTIME_LAYOUT, USE_ASM), [BR, G])
         v = v * tl.load(nrm_ptr + rs).to(tl.float32)[:, None]
         if UNROT:
             v = v * cs2[None, :]  # (exact: +-1)

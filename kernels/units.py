@@ -12,15 +12,15 @@ import triton.language as tl
 # ---------------------------------------------------------------------------
 
 @triton.jit
-def _extract(w0, w1, w2, J: tl.constexpr, NLEV: tl.constexpr, TUNED: tl.constexpr):
-    """Index number J of a unit (uint32 words w0..w2, or a byte for ternary) as int32; TUNED: the units
+def _extract(w0, w1, w2, J: tl.constexpr, NLEV: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
+    """Index number J of a unit (uint32 words w0..w2, or a byte for ternary) as int32; RUNTIME_LAYOUT: the units
     are in the runtime layout (`turboquant_hf.layout`)."""
-    if TUNED and NLEV == 4:
+    if RUNTIME_LAYOUT and NLEV == 4:
         if J < 8:
             v = (w0 >> (4 * J)) & 3
         else:
             v = (w0 >> (4 * (J - 8) + 2)) & 3
-    elif TUNED and NLEV == 8:
+    elif RUNTIME_LAYOUT and NLEV == 8:
         if J < 24:
             if J // 8 == 0:
                 w = w0
@@ -83,9 +83,9 @@ def _bit(w0, w1, w2, B: tl.constexpr):
 
 
 @triton.jit
-def _ibit(w0, w1, w2, J: tl.constexpr, B: tl.constexpr, NB: tl.constexpr, TUNED: tl.constexpr):
+def _ibit(w0, w1, w2, J: tl.constexpr, B: tl.constexpr, NB: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
     """Bit B of index number J (NB bits per index) of a unit, in the published or the runtime layout."""
-    if not TUNED:
+    if not RUNTIME_LAYOUT:
         p = _bit(w0, w1, w2, NB * J + B)
     elif NB == 2:
         if J < 8:
@@ -143,7 +143,7 @@ def _codebook16(cb_ptr, NLEV: tl.constexpr):
 
 
 @triton.jit
-def _value(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, LUT_MASK: tl.constexpr, TUNED: tl.constexpr,
+def _value(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, LUT_MASK: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
     """float32 codebook value of index number J of every unit.
 
@@ -151,16 +151,16 @@ def _value(w0, w1, w2, cb_ptr, J: tl.constexpr, NLEV: tl.constexpr, LUT_MASK: tl
     (L1-resident) codebook (bit J set: ~5 integer ops + one load), or a tree of selects on the
     index bits (no memory access: 3 selects for 2 bits, 7 for 3, 15 for 4, plus bit tests)."""
     if (LUT_MASK >> J) & 1:
-        v = tl.load(cb_ptr + _extract(w0, w1, w2, J, NLEV, TUNED))
+        v = tl.load(cb_ptr + _extract(w0, w1, w2, J, NLEV, RUNTIME_LAYOUT))
     elif NLEV == 3:
-        d = _extract(w0, w1, w2, J, NLEV, TUNED)
+        d = _extract(w0, w1, w2, J, NLEV, RUNTIME_LAYOUT)
         v = tl.where(d == 0, c0, tl.where(d == 1, c1, c2))
     elif NLEV == 4:
-        v = _sel4(_ibit(w0, w1, w2, J, 0, 2, TUNED), _ibit(w0, w1, w2, J, 1, 2, TUNED), c0, c1, c2, c3)
+        v = _sel4(_ibit(w0, w1, w2, J, 0, 2, RUNTIME_LAYOUT), _ibit(w0, w1, w2, J, 1, 2, RUNTIME_LAYOUT), c0, c1, c2, c3)
     elif NLEV == 8:
-        p0 = _ibit(w0, w1, w2, J, 0, 3, TUNED)
-        p1 = _ibit(w0, w1, w2, J, 1, 3, TUNED)
-        p2 = _ibit(w0, w1, w2, J, 2, 3, TUNED)
+        p0 = _ibit(w0, w1, w2, J, 0, 3, RUNTIME_LAYOUT)
+        p1 = _ibit(w0, w1, w2, J, 1, 3, RUNTIME_LAYOUT)
+        p2 = _ibit(w0, w1, w2, J, 2, 3, RUNTIME_LAYOUT)
         v = tl.where(p2, _sel4(p0, p1, c4, c5, c6, c7), _sel4(p0, p1, c0, c1, c2, c3))
     else:
         p0 = _bit(w0, w1, w2, 4 * J)
@@ -229,12 +229,12 @@ def _decode_unit_values(w0, w1, w2, cb_ptr, PER_P: tl.constexpr, NLEV: tl.conste
 
 
 @triton.jit
-def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr, TUNED: tl.constexpr, row, NUT):
+def _load_units(pk_ptr, unit_off, mask, WPU: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr, row, NUT):
     """Load the words (or the byte) of units at `unit_off` (in units: `row * NUT + unit in the row`);
-    uint32 results. In the runtime layout (TUNED) a row's three-word units are stored as three planes
+    uint32 results. In the runtime layout (RUNTIME_LAYOUT) a row's three-word units are stored as three planes
     (word p of unit u at `p * NUT + u` within the row), so each load is one coalesced sweep."""
     if WPU == 3:
-        if TUNED:
+        if RUNTIME_LAYOUT:
             base = pk_ptr + unit_off + row * (2 * NUT)
             step = NUT
         else:
