@@ -51,6 +51,7 @@ import triton
 from turboquant_hf import codec, layout, ops
 from turboquant_hf import format as fmt
 from turboquant_hf.kernels import linear as L
+from turboquant_hf.kernels import tuning as T
 
 # (label, in_features K, out_features N)
 SHAPES = [
@@ -507,14 +508,14 @@ def sweep_whole(case: Case, label: str, reps: int = 2) -> list[dict]:
     t_b, _ = time_calls([(lambda w=w: F.linear(x, w)) for w in bbufs], True)
     del bbufs
     cb = case.cb_ours
-    default, limits = L._pair_config, (L.PDL_MAX_K, L.PDL_MAX_K_PAIRS, L.PDL_PAIR_LEVELS)
+    default, limits = L._pair_config, (T.PDL_MAX_K, T.PDL_MAX_K_PAIRS, T.PDL_PAIR_LEVELS)
     times: dict = {}
     try:
         for _ in range(reps):
-            for long_pdl in ((False, True) if k > L.PDL_MAX_K else (False,)):
+            for long_pdl in ((False, True) if k > T.PDL_MAX_K else (False,)):
                 for cfg in WHOLE_SWEEP.get(case.cb_ours.numel(), [None]):
-                    L.PDL_MAX_K_PAIRS = 1 << 30 if long_pdl else L.PDL_MAX_K
-                    L.PDL_PAIR_LEVELS = (4, 8, 16)
+                    T.PDL_MAX_K_PAIRS = 1 << 30 if long_pdl else T.PDL_MAX_K
+                    T.PDL_PAIR_LEVELS = (4, 8, 16)
                     L._pair_config = default if cfg is None else (lambda *a, cfg=cfg: cfg)
 
                     def fn(p, nr):
@@ -528,7 +529,7 @@ def sweep_whole(case: Case, label: str, reps: int = 2) -> list[dict]:
                     times.setdefault(key, []).append(t)
     finally:
         L._pair_config = default
-        L.PDL_MAX_K, L.PDL_MAX_K_PAIRS, L.PDL_PAIR_LEVELS = limits
+        T.PDL_MAX_K, T.PDL_MAX_K_PAIRS, T.PDL_PAIR_LEVELS = limits
     rows = [dict(shape=label, bits=str(case.bits), M=1, variant="bf16 F.linear", us=t_b)]
     nut = case.norms.shape[1] * g // L.lut_unit(cb.numel())
     for (cfg, long_pdl), ts in times.items():
@@ -602,7 +603,7 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
 
 
 def _ab_switch(case: Case, label: str, m: int, switch: str) -> dict:
-    """The whole op with the kernels' module flag `switch` (`kernels.linear.X_ORDER`, `WIDE`) off and on, in turn,
+    """The whole op with the kernels' module flag `switch` (`kernels.tuning.X_ORDER`, `WIDE`) off and on, in turn,
     each timed twice as CUDA-graph replays (the faster kept), against bf16 in the same run; each output is
     checked against the float32 reference. Returns the row's common fields and both outputs' relative errors
     (`outs`: the last output of each setting)."""
@@ -613,10 +614,10 @@ def _ab_switch(case: Case, label: str, m: int, switch: str) -> dict:
     times = {False: [], True: []}
     outs, errs = {}, {}
     ref = case.reference(x)
-    saved = getattr(L, switch)
+    saved = getattr(T, switch)
     try:
         for on in (False, True, False, True):
-            setattr(L, switch, on)
+            setattr(T, switch, on)
             outs[on] = L.linear(x, qbufs[0][0], qbufs[0][1], case.cb_ours, case.s1, case.s2, case.g, case.k)
             errs[on] = rel_err(outs[on], ref)
             if not errs[on] < 1e-2:
@@ -626,7 +627,7 @@ def _ab_switch(case: Case, label: str, m: int, switch: str) -> dict:
             del g
             times[on].append(t)
     finally:
-        setattr(L, switch, saved)
+        setattr(T, switch, saved)
     t_off, t_on = min(times[False]), min(times[True])
     del qbufs, bbufs
     torch.cuda.empty_cache()
@@ -636,7 +637,7 @@ def _ab_switch(case: Case, label: str, m: int, switch: str) -> dict:
 
 
 def ab_x_order(case: Case, label: str, m: int) -> dict:
-    """The tensor-core GEMV's activation order (`kernels.linear.X_ORDER`) on and off (`_ab_switch`); the outputs of
+    """The tensor-core GEMV's activation order (`kernels.tuning.X_ORDER`) on and off (`_ab_switch`); the outputs of
     the two orders must be equal bit for bit."""
     row = _ab_switch(case, label, m, "X_ORDER")
     outs = row.pop("outs")
@@ -647,7 +648,7 @@ def ab_x_order(case: Case, label: str, m: int) -> dict:
 
 
 def ab_wide(case: Case, label: str, m: int) -> dict:
-    """The tensor-core GEMV's wide blocks (`kernels.linear.WIDE`: two groups a block for 3-bit G = 128) on and off
+    """The tensor-core GEMV's wide blocks (`kernels.tuning.WIDE`: two groups a block for 3-bit G = 128) on and off
     (`_ab_switch`); both outputs checked against the float32 reference (the wide blocks round each value times its
     norm to 16 bits, so the two differ)."""
     row = _ab_switch(case, label, m, "WIDE")
@@ -762,7 +763,7 @@ def main() -> int:
         for label, k, n in [s for s in shapes if (s[1], s[2]) in ((4096, 14336), (8192, 28672))] or shapes[:1]:
             for bits in (fmt.TERNARY, 2, 4):
                 case = Case(k, n, bits)
-                for m in [v for v in ms if v <= max(16, L.MID_MAX_M)]:  # (the GEMV tiers)
+                for m in [v for v in ms if v <= max(16, T.MID_MAX_M)]:  # (the GEMV tiers)
                     r = bench_case(case, m, peer=run_peer)
                     rows.append(r)
                     print(json.dumps(r), flush=True)

@@ -1,8 +1,8 @@
 """GPU implementations of the `turboquant` torch ops (installed as `turboquant_hf.kernels`).
 
 Importing this package registers the Triton kernels in `linear.py` and `moe.py` as the
-CUDA implementations of `torch.ops.turboquant.linear` and `torch.ops.turboquant.moe_experts` (`turboquant_hf.ops` imports it
-at its end). Registration needs only that the `triton` package can be found;
+CUDA implementations of `torch.ops.turboquant.linear` and `torch.ops.turboquant.moe_experts` (`turboquant_hf.modules`
+imports it after `turboquant_hf.ops`; ops does not import it). Registration needs only that the `triton` package can be found;
 triton itself is imported lazily, on the first call with CUDA tensors, so
 importing this package on a machine without triton or without CUDA works and
 leaves the plain-torch reference as the implementation for every device. The
@@ -85,7 +85,7 @@ def register() -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     if not hasattr(torch.ops.turboquant, "linear"):
-        # the op is defined in turboquant_hf.ops, which imports this package at its end
+        # the op is defined in turboquant_hf.ops (which does not import this package)
         from turboquant_hf import ops  # noqa: F401
     torch.library.register_kernel("turboquant::linear", "cuda")(_cuda_linear)
     torch.library.register_kernel("turboquant::moe_experts", "cuda")(_cuda_moe_experts)

@@ -43,7 +43,9 @@ import triton.language as tl
 
 from . import linear as L
 from .launch import cdiv, launch, next_power_of_2
-from .linear import _byte_tables, _load_units, _lut_tile
+from .lut import _byte_tables
+from .prefill import _lut_tile
+from .units import _load_units
 
 # Most (token, slot) pairs served by the pair GEMV path.
 PAIR_MAX_ROWS = 64
@@ -75,7 +77,7 @@ FUSED_MAX_PAIRS = 1 << 62
 
 
 def _activation(name: str):
-    from turboquant_hf.ops import ACTIVATIONS
+    from turboquant_hf.activations import ACTIVATIONS
 
     return ACTIVATIONS[name]
 
@@ -207,7 +209,7 @@ def _expert_chunks(counts, per_expert_bytes: int, grouped: bool):
     expert numbers (int32 tensor), for `torch._grouped_mm` their end offsets (else None), and the row count per
     expert.
 
-    `counts`: the per-expert counts as a device tensor and as a list (`ops.expert_groups`). The expert numbers of every
+    `counts`: the per-expert counts as a device tensor and as a list (`routing.expert_groups`). The expert numbers of every
     chunk come from one host-to-device copy (pinned, queued without waiting) and the offsets are summed on the
     device: a copy from pageable memory per chunk could wait for the stream, leaving the GPU idle while the host
     queues the next chunk's kernels."""
@@ -288,10 +290,7 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
     offsets (their results are never read). Inside a group the pairs' order follows the atomics' timing; each
     row's result does not (every row is its own product), so the layer's output is the same on every run.
 
-    Three launches and four allocations: on an H200 (E = 256, top-8, H = 2048, I = 512, 3-bit) the eager MoE call
-    took 748 / 650 / 880 us at 16 / 256 / 2048 tokens against 1160 / 1243 / 1580 us with a stable sort and a dozen
-    torch ops, and 176 / 370 / 633 against 212 / 415 / 702 us of device time as a CUDA graph
-    (`benchmarks/E2E.md`)."""
+    Three launches and four allocations, fewer than a stable sort and torch ops (`benchmarks/E2E.md`)."""
     t, k = top_k_index.shape
     p = t * k
     dev = top_k_index.device
@@ -336,9 +335,9 @@ def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt
     `widest`: the elements of an expert's largest matrix (decoded one projection at a time); `per_expert`: of all
     its matrices. One chunk with the routing on the device (no host synchronisation; `_device_routing`) where the
     pairs are at least as many as the experts and every expert's largest matrix fits `PREFILL_SCRATCH_BYTES` at
-    once; otherwise the counts come to the host (`ops.expert_groups`, one synchronisation) and the routed experts
+    once; otherwise the counts come to the host (`routing.expert_groups`, one synchronisation) and the routed experts
     are decoded in chunks of `per_expert`-sized experts that fit."""
-    from turboquant_hf.ops import expert_groups
+    from turboquant_hf.routing import expert_groups
 
     t, k = top_k_index.shape
     nbytes = torch.finfo(wdt).bits // 8
@@ -420,7 +419,7 @@ def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
 
 def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2,
              g, e, act, inter):
-    from turboquant_hf.ops import routed_groups
+    from turboquant_hf.routing import routed_groups
 
     t, h = hidden.shape
     dt = hidden.dtype  # the products run in the activations' dtype (float32 accumulation); sums in float32
@@ -569,7 +568,7 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
 @triton.jit
 def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, stride_x, stride_o,
                           E: tl.constexpr, EP: tl.constexpr, NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr,
-                          UPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, TUNED: tl.constexpr,
+                          UPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
                           USE_ASM: tl.constexpr, GATHER: tl.constexpr):
     """Rows grouped by expert (group e ends at `offs[e]`) times their experts' rotated-basis matrices, each weight
     tile decoded in registers (byte-permute lookups, group norm) and fed straight to the tensor cores as the left
@@ -609,8 +608,8 @@ def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, ou
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for gi in tl.range(0, NG):
         rs = wrow * NG + gi
-        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], None, WPU, TUNED, wrow[:, None], NUT)
-        v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, TUNED, USE_ASM), [BN, G])
+        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], None, WPU, RUNTIME_LAYOUT, wrow[:, None], NUT)
+        v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, RUNTIME_LAYOUT, USE_ASM), [BN, G])
         v = v * tl.load(nrm_ptr + rs).to(tl.float32)[:, None]
         xt = tl.load(x_ptr + src[None, :] * stride_x + (gi * G + kk)[:, None])
         if USE_ASM:  # 16-bit operands, float32 accumulation
@@ -624,11 +623,8 @@ def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, ou
 def _routed_config(pairs: int, e: int) -> tuple[int, int]:
     """(rows per block, weight rows per program) of `routed_lut_mm`: blocks of twice the mean group size rounded up
     to a power of two, 16 to 128 (a group seldom spans two blocks, so each routed expert's tiles are decoded about
-    once), 64 weight rows for the smallest blocks and 128 otherwise. H200, 3-bit, Qwen3.6 experts (E = 256, top-8),
-    gate/up and down us, best of 16-256 x 64-256 x 4-8 warps: mean group 1 (M = 32) 16 x 64: 144 / 81;
-    8 (M = 256) 16 x 64: 213 / 119; 16 (M = 512) 32 x 128: 240 / 134; 32 (M = 1024) 64 x 128: 283 / 178;
-    64 (M = 2048) 128 x 128: 334 / 222 (64 x 128: 424 / 255); 256 (M = 8192) 128 x 128: 803 / 543. Four warps
-    throughout (eight were slower everywhere; 256-row blocks spill)."""
+    once), 64 weight rows for the smallest blocks and 128 otherwise; four warps (eight were slower, 256-row blocks
+    spill)."""
     mean = max(1, -(-pairs // e))
     bm = max(16, min(128, next_power_of_2(2 * mean)))
     return bm, 64 if bm == 16 else 128
@@ -664,6 +660,6 @@ def routed_lut_mm(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, nor
            norms.contiguous(), L._f32(codebook), out, n, xs.stride(0), out.stride(0),
            E=num_experts, EP=next_power_of_2(num_experts), NG=ng,
            NLEV=codebook.numel(), G=group_size, UPG=group_size // per, BN=bn, BM=bm,
-           TUNED=L._tuned(packed, codebook.numel()), USE_ASM=not L._interpreting(),
+           RUNTIME_LAYOUT=L._runtime_layout(packed, codebook.numel()), USE_ASM=not L._interpreting(),
            GATHER=xrow is not None, num_warps=warps)
     return out

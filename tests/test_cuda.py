@@ -300,6 +300,7 @@ def test_wide_blocks_on_gpu(monkeypatch):
     from turboquant_hf import layout, ops
     from turboquant_hf import format as fmt
     from turboquant_hf.kernels import linear as L
+    from turboquant_hf.kernels import tuning as T
     from turboquant_hf.modules import format_constants
 
     g, nl = 128, 8
@@ -310,13 +311,13 @@ def test_wide_blocks_on_gpu(monkeypatch):
         nr = norms.cuda()
         cb, s1, s2 = format_constants(nl, g, torch.device("cuda"), True)
         for m in (3, 8, 16, 24, 40, 64):
-            wide = n < 16384 if m <= L.DOT_MAX_M else (m <= 2 * L.DOT_MAX_M or n >= 8192)
+            wide = n < 16384 if m <= T.DOT_MAX_M else (m <= 2 * T.DOT_MAX_M or n >= 8192)
             want_kb = 256 if wide else 128
             assert L.mma_block(nl, g, n, k // g, m) == want_kb, (n, m)
             for offset in (0, 1):
                 x = torch.randn(m * k + offset, generator=gen).to(torch.bfloat16).cuda()[offset:].view(m, k)
                 y = L.linear(x, pk, nr, cb, s1, s2, g, k)
-                monkeypatch.setattr(L, "WIDE", False)
+                monkeypatch.setattr(T, "WIDE", False)
                 one = L.linear(x, pk, nr, cb, s1, s2, g, k)
                 monkeypatch.undo()
                 want = ops.turboquant_linear(x.float().cpu(), packed, norms, fmt.codebook(nl, g, "cpu"),
@@ -333,6 +334,7 @@ def test_activation_order_on_gpu_matches_natural(bits, g, monkeypatch):
     from turboquant_hf import layout
     from turboquant_hf import format as fmt
     from turboquant_hf.kernels import linear as L
+    from turboquant_hf.kernels import tuning as T
     from turboquant_hf.modules import format_constants
 
     gen = torch.Generator().manual_seed(bits + g)
@@ -343,7 +345,7 @@ def test_activation_order_on_gpu_matches_natural(bits, g, monkeypatch):
         pk = (layout.to_runtime(packed, nl, g, norms.shape[1]) if runtime else packed).cuda()
         nr = norms.to(fmt.default_norms_dtype(nl)).cuda()
         cb, s1, s2 = format_constants(nl, g, torch.device("cuda"), runtime)
-        big = n * norms.shape[1] * g >= L.X_ORDER_MIN
+        big = n * norms.shape[1] * g >= T.X_ORDER_MIN
         assert big == (n == 4096)
         for m in (5, 16, 40):
             for offset in (0, 1):
@@ -351,9 +353,9 @@ def test_activation_order_on_gpu_matches_natural(bits, g, monkeypatch):
                 levels = []
                 monkeypatch.setattr(L, "rotate", lambda *a, _f=L.rotate, **kw: levels.append(kw.get("mma_levels", 0))
                                     or _f(*a, **kw))
-                monkeypatch.setattr(L, "X_ORDER", True)
+                monkeypatch.setattr(T, "X_ORDER", True)
                 ordered = L.linear(x, pk, nr, cb, s1, s2, g, k)
-                monkeypatch.setattr(L, "X_ORDER", False)
+                monkeypatch.setattr(T, "X_ORDER", False)
                 natural = L.linear(x, pk, nr, cb, s1, s2, g, k)
                 monkeypatch.undo()
                 assert levels == [nl if big else 0, 0], (n, m, levels)

@@ -44,6 +44,7 @@ _INTERPRETED = triton is not None and type(triton.language.zeros).__name__ == "I
 
 from turboquant_hf import codec, layout, ops
 from turboquant_hf import format as fmt
+from turboquant_hf.kernels import tuning as T
 
 BITS = (fmt.TERNARY, 2, 3, 4)
 
@@ -113,7 +114,7 @@ def _prmt_by_definition(a: int, b: int, sel: int) -> int:
     return out
 
 
-_PRMT_MOD = None  # (the interpreted kernels module, set by the test below)
+_PRMT_MOD = None  # (turboquant_hf.kernels.ptx, interpreted: set by the test below)
 
 
 def _prmt_probe(a_ptr, b_ptr, s_ptr, out_ptr, out_c_ptr, SEL):
@@ -131,7 +132,9 @@ def test_prmt_emulation_matches_ptx_definition(L):
     below 8: the table lookups) and `_prmt_c` (compile-time selectors, sign-replicating nibbles included) give
     the PTX definition's bytes on random words, for the selectors the kernels use and others."""
     global _PRMT_MOD
-    _PRMT_MOD = L
+    from turboquant_hf.kernels import ptx
+
+    _PRMT_MOD = ptx
     probe = triton.jit(_prmt_probe)  # (decorated here: the fixture has TRITON_INTERPRET=1 set)
     gen = torch.Generator().manual_seed(9)
     for sel in (0x5140, 0x7362, 0x4040, 0x5151, 0x6262, 0x7373, 0xD9C8, 0xFBEA, 0x3210, 0x8F0E):
@@ -151,7 +154,7 @@ def test_rotate(L, g, m):
     k = 200  # not a multiple of G
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     s1, s2 = fmt.signs(g)
-    assert (m <= L.ROWS_MAX_M) == (m == 3)
+    assert (m <= T.ROWS_MAX_M) == (m == 3)
     got = L.rotate(x, s1, s2, g, torch.float32)
     ref = ops.rotate_activations(x, s1, s2, g)
     assert got.shape == ref.shape
@@ -176,11 +179,11 @@ def test_rotate_butterflies_match_tensor_core_rotation(L, g, monkeypatch):
         x = torch.randn(m, k, generator=gen)
         for kw in layouts:
             xx = torch.randn(m, 6 * g, generator=gen) if "mma_block" in kw else x  # (wide blocks: pairs of groups)
-            monkeypatch.setattr(L, "ROWS_MAX_M", 0)
+            monkeypatch.setattr(T, "ROWS_MAX_M", 0)
             want = L.rotate(xx, s1, s2, g, torch.float32, **kw)
             for cfg in (None, (2, 1), (4, 2)):
-                monkeypatch.setattr(L, "ROWS_MAX_M", 16)
-                monkeypatch.setattr(L, "ROWS_CONFIG", cfg)
+                monkeypatch.setattr(T, "ROWS_MAX_M", 16)
+                monkeypatch.setattr(T, "ROWS_CONFIG", cfg)
                 got = L.rotate(xx, s1, s2, g, torch.float32, **kw)
                 if "unit" in kw:
                     assert torch.equal(got[1], want[1]), (m, kw, cfg)
@@ -520,8 +523,8 @@ def test_mma_activation_order(L, bits, g, monkeypatch):
     levels = []
     monkeypatch.setattr(L, "rotate", lambda *a, _f=L.rotate, **kw: levels.append(kw.get("mma_levels", 0)) or _f(*a, **kw))
     natural = L.linear(x, pk, norms, kcb, s1, s2, g, k)
-    assert levels == [0] and n * ng * g < L.X_ORDER_MIN
-    monkeypatch.setattr(L, "X_ORDER_MIN", n * ng * g)
+    assert levels == [0] and n * ng * g < T.X_ORDER_MIN
+    monkeypatch.setattr(T, "X_ORDER_MIN", n * ng * g)
     assert torch.equal(L.linear(x, pk, norms, kcb, s1, s2, g, k), natural) and levels == [0, nl]
 
 
@@ -586,12 +589,12 @@ def test_mma_wide_blocks(L, monkeypatch):
     assert L.mma_block(nl, g, 4096, 33, 16) == 128  # (an odd number of groups)
     assert L.mma_block(16, g, 4096, 32, 16) == 128 and L.mma_block(nl, 64, 4096, 64, 16) == 128
     assert L.mma_block(3, g, 4096, 32, 16) == 0  # (ternary: not the tensor-core GEMV's)
-    monkeypatch.setattr(L, "WIDE", False)
+    monkeypatch.setattr(T, "WIDE", False)
     assert L.mma_block(nl, g, 4096, 32, 16) == 128
     monkeypatch.undo()
     # linear: wide blocks and their activation order once the weight is large enough
-    monkeypatch.setattr(L, "WIDE_MIN", n * ng * g)
-    monkeypatch.setattr(L, "X_ORDER_MIN", n * ng * g)
+    monkeypatch.setattr(T, "WIDE_MIN", n * ng * g)
+    monkeypatch.setattr(T, "X_ORDER_MIN", n * ng * g)
     calls = []
     monkeypatch.setattr(L, "rotate", lambda *a, _f=L.rotate, **kw: calls.append(kw.get("mma_block", 0)) or _f(*a, **kw))
     x = torch.randn(2, 3, k, generator=gen).to(torch.bfloat16)

@@ -25,7 +25,7 @@ from torch import nn
 from .modules import TurboQuantLinear, group_linear
 
 # Most input rows (tokens) that one fused product serves; longer inputs run the members apart. 64 is the last row
-# count the CUDA kernels multiply without decoding the weight to a scratch buffer (`kernels.linear.MID_MAX_M`).
+# count the CUDA kernels multiply without decoding the weight to a scratch buffer (`kernels.tuning.MID_MAX_M`).
 # Measured on an H200 (Llama-3.1-8B shape, 3-bit, 2048-token prefill as a CUDA graph): fused for every length,
 # 0.84x of bf16's prompt tokens/s, against 0.90x with the members apart (`benchmarks/E2E.md`).
 FUSED_MAX_ROWS = 64

@@ -15,6 +15,7 @@ from . import codec
 from . import format as fmt
 from . import layout
 from . import ops  # noqa: F401  (registers torch.ops.turboquant)
+from . import kernels  # noqa: F401,I001  (after ops: registers the Triton kernels as their CUDA implementations)
 from . import rotation as rotation_
 
 _CONSTANTS: dict = {}

@@ -20,6 +20,7 @@ import torch
 
 from . import codec, layout, rotation
 from .activations import ACTIVATIONS
+from .routing import expert_groups, routed_groups, sort_routing  # noqa: F401  (re-exported: ops.expert_groups)
 
 # Bound on the float32 weight block the reference materialises per step.
 _REFERENCE_BLOCK_ELEMENTS = 1 << 22
@@ -149,48 +150,6 @@ def _linear_backward(ctx, grad):
 
 
 torch.library.register_autograd("turboquant::linear", _linear_backward, setup_context=_linear_setup_context)
-
-
-
-
-
-def sort_routing(top_k_index: torch.Tensor, num_experts: int):
-    """The (token, slot) pairs sorted by expert, on the indices' device with no host synchronisation: (the flat
-    pair numbers `token * top_k + slot` in sorted order, the per-expert counts `(num_experts + 1,)` int64, the last
-    counting the pairs routed to no expert).
-
-    Indices outside [0, num_experts) (some routers use num_experts as "no expert") become num_experts and sort
-    last; the counts are summed with a scatter, which needs no output size from the host."""
-    flat = top_k_index.reshape(-1)
-    keys = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int64)
-    # (the keys fit 16 bits for a shorter sort)
-    order = torch.argsort(keys.to(torch.int16) if num_experts < 2**15 - 1 else keys, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, keys, torch.ones_like(keys))
-    return order, counts
-
-
-def expert_groups(top_k_index: torch.Tensor, num_experts: int):
-    """Routed (token, slot) pairs grouped by expert: (sorted token ids, sorted slot ids, per-expert counts as a
-    tensor on the indices' device and as a list). One host synchronisation (`sort_routing`, then the counts).
-
-    Indices outside [0, num_experts) (some routers use num_experts as "no expert") are dropped.
-    """
-    k = top_k_index.shape[1]
-    order, counts = sort_routing(top_k_index, num_experts)
-    counts_list = counts.tolist()[:-1]
-    order = order[: sum(counts_list)]
-    return order // k, order % k, counts[:-1], counts_list
-
-
-def routed_groups(top_k_index: torch.Tensor, num_experts: int):
-    """For each expert some token was routed to: (expert, token ids, slot ids). One host synchronisation."""
-    tokens, slots, _, counts = expert_groups(top_k_index, num_experts)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            yield e, tokens[start : start + n], slots[start : start + n]
-            start += n
 
 
 @_op("moe_experts")
@@ -355,6 +314,3 @@ def turboquant_hadamard_moe_experts(
 def _(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook, gate_signs, up_packed, up_norms,
       up_codebook, up_signs, down_packed, down_norms, down_codebook, down_signs, num_experts, activation):
     return torch.empty_like(hidden)
-
-
-from . import kernels as _kernels  # noqa: E402,F401  (registers the Triton CUDA kernels for this op)

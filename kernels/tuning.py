@@ -1,0 +1,52 @@
+"""Tuning of the CUDA kernels in one place: the M thresholds of the dispatch (`linear.path`), the layout switches of
+the tensor-core GEMV and the rotation, and the programmatic-dependent-launch limits. Module globals, read at each
+call (tests and benchmarks set them here). Measurements behind them: benchmarks/RESULTS.md."""
+
+from __future__ import annotations
+
+# Largest M served by the tensor-core GEMV; above it: dequantize + cuBLAS.
+DOT_MAX_M = 16
+
+# Whether the tensor-core GEMV reads activations that the rotation wrote in its order (`_mma_column`, `x_order`),
+# for weights of at least X_ORDER_MIN values (rows x padded inputs); smaller weights keep the natural order
+# (measurements: benchmarks/RESULTS.md). Keyed on the weight shape, never on M.
+X_ORDER = True
+X_ORDER_MIN = 1 << 22
+
+# Largest M served by the FMA GEMV for 16-bit activations (float32 always uses it up to DOT_MAX_M).
+FMA_MAX_M = 1
+
+# Largest M served by the tensor-core GEMV with 32 activation rows a program (DOT_MAX_M < M, 16-bit activations,
+# 2-, 3- and 4-bit weights; `_mid_config`); 0: none, every M above DOT_MAX_M dequantizes for cuBLAS.
+MID_MAX_M = 64
+
+# Activation rows up to which `rotate` runs the butterfly kernel (`_rotate_rows_kernel`, faster at small M, the same
+# output bit for bit) rather than the tensor-core one. ROWS_CONFIG, when set, overrides `_rows_config`.
+ROWS_MAX_M = 16
+ROWS_CONFIG = None
+
+# Which index numbers j of a unit are looked up with a load from the codebook (bit j set) rather
+# than a tree of selects: the mix that balances the load/store and integer pipes (the codebook
+# loads cost ~4 cycles of the load/store unit per warp, the selects 3/7/15 integer ops per weight).
+LUT_MASKS = {3: 0x5, 4: 0x0, 8: 0x11111111, 16: 0x55555555}
+
+# Largest M served by the pair GEMV, which decodes the weight once for BM = 1 or 2 activation rows (above it the
+# tensor-core GEMV or dequantize + cuBLAS; the kernel also takes BM = 4, slower than the tensor cores there).
+PAIR_MAX_M = 2
+
+# Wide blocks: 3-bit weights at G = 128 take blocks of two groups (KB = 256 inputs, each lane two consecutive units,
+# the group norms folded into the 16-bit values: `FOLD`) instead of one. A lane's words are then 8 consecutive
+# bytes of each of the unit's three planes, and the four lanes of a weight row read a whole 32-byte sector per
+# load, where blocks of one group use half of each sector per load instruction and leave the other half to the
+# next block's load. Used for weights of at least WIDE_MIN values with an even number of groups, below 16384 rows at
+# M <= DOT_MAX_M, any rows up to 2 DOT_MAX_M, and from 8192 rows above that (benchmarks/RESULTS.md). The cost is
+# precision: each value times its norm is rounded to 16 bits (relative error of the product 3.3e-3 against 2.6e-3
+# with one group a block, bfloat16, random data), about a fiftieth of the 3-bit quantization error itself.
+WIDE = True
+WIDE_MIN = 1 << 22
+
+# Longest rotated row (n_groups * G) whose rotation and GEMV use programmatic dependent launch (longer rows lose
+# by it); PDL_MAX_K_PAIRS: the same for the 3- and 4-bit pair GEMV of one activation row (`_pair_config`), at M = 1.
+PDL_MAX_K = 4096
+PDL_MAX_K_PAIRS = 16384
+PDL_PAIR_LEVELS = (4, 8, 16)  # the codebook sizes PDL_MAX_K_PAIRS applies to
