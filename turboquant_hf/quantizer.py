@@ -239,7 +239,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
     def _dequantize(self, model, dtype=None):
         """`model.dequantize()`: every TurboQuant module becomes the plain module it replaced, holding the weights it
         computed with, in `dtype`; the model then saves as an ordinary checkpoint."""
-        from .modules import restore_plain_modules
+        from .dequantization import restore_plain_modules
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)

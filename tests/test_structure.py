@@ -1,0 +1,110 @@
+"""The package's shape: no import cycle (function-local imports included), no module or function too large to read."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"turboquant_hf": os.path.join(ROOT, "turboquant_hf"), "turboquant_hf.kernels": os.path.join(ROOT, "kernels")}
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 120
+MAX_KERNEL_LINES = 200  # one @triton.jit body
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for package, folder in PACKAGES.items():
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                stem = name[:-3]
+                out[package if stem == "__init__" else f"{package}.{stem}"] = os.path.join(folder, name)
+    return out
+
+
+def _imports(module: str, path: str, known: set[str]) -> set[str]:
+    """Modules of the package that `module` imports anywhere in its file (top level or inside functions)."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for n in names:
+            # `from . import x` names a submodule; `from .x import y` the module x
+            while n and n not in known:
+                n = n.rpartition(".")[0]
+            if n and n != module:
+                found.add(n)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph = {m: _imports(m, p, known) for m, p in modules.items()}
+    # importing a submodule runs its package's __init__ first; that edge is implied, not a cycle of the code
+    for m in graph:
+        graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state, stack = [], {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    assert "turboquant_hf.planning" in graph and graph["turboquant_hf.quantizer"]
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _functions(path: str):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            jit = any("jit" in ast.unparse(d) for d in node.decorator_list)
+            yield node.name, node.end_lineno - node.lineno + 1, jit
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_module_and_function_sizes(module):
+    path = _modules()[module]
+    lines = sum(1 for _ in open(path, encoding="utf-8"))
+    assert lines <= MAX_MODULE_LINES, f"{path}: {lines} lines"
+    for name, length, jit in _functions(path):
+        limit = MAX_KERNEL_LINES if jit else MAX_FUNCTION_LINES
+        assert length <= limit, f"{path}: {name} is {length} lines"
