@@ -15,7 +15,6 @@ reference for CUDA tensors too.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -80,7 +79,9 @@ def register() -> bool:
     global _registered
     if _registered:
         return True
-    if os.environ.get("TURBOQUANT_DISABLE_TRITON", "0") not in ("", "0"):
+    from turboquant_hf import settings
+
+    if settings.triton_disabled():
         return False
     if importlib.util.find_spec("triton") is None:
         return False

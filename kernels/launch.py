@@ -19,11 +19,12 @@ kernels lack the launch interface, the interpreter) takes Triton's own launch pa
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-ENABLED = os.environ.get("TURBOQUANT_FAST_LAUNCH", "1") != "0"
+from turboquant_hf import settings
+
+ENABLED = settings.fast_launch()
 
 _CACHE: dict = {}
 _I32 = (-(2**31), 2**31 - 1)

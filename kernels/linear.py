@@ -617,10 +617,9 @@ def _pdl(device: torch.device, k: int = 0, n_levels: int = 0) -> bool:
         return False
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _PDL_DEVICES:
-        import os
+        from turboquant_hf import settings
 
-        _PDL_DEVICES[key] = (torch.cuda.get_device_capability(key)[0] >= 9
-                             and os.environ.get("TURBOQUANT_PDL", "1") != "0")
+        _PDL_DEVICES[key] = torch.cuda.get_device_capability(key)[0] >= 9 and settings.dependent_launch()
     return _PDL_DEVICES[key]
 
 

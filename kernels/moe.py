@@ -35,11 +35,12 @@ its tokens.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from turboquant_hf import settings
 
 from . import linear as L
 from .launch import cdiv, launch, next_power_of_2
@@ -51,22 +52,10 @@ from .units import _load_units
 PAIR_MAX_ROWS = 64
 
 
-def _scratch_bytes() -> int:
-    """`TURBOQUANT_MOE_SCRATCH_MB` (MiB, default 1024) in bytes."""
-    raw = os.environ.get("TURBOQUANT_MOE_SCRATCH_MB", "1024")
-    try:
-        mib = int(raw)
-    except ValueError:
-        mib = 0
-    if mib < 1:
-        raise ValueError(f"TURBOQUANT_MOE_SCRATCH_MB must be a whole number of MiB, at least 1, not {raw!r}")
-    return mib << 20
-
-
 # Largest scratch buffer of decoded expert weights at prefill (bytes; `TURBOQUANT_MOE_SCRATCH_MB`): the routed
 # experts are decoded in chunks that fit (at least one expert at a time), or all at once with the routing on the
 # device where every expert's largest matrix fits.
-PREFILL_SCRATCH_BYTES = _scratch_bytes()
+PREFILL_SCRATCH_BYTES = settings.moe_scratch_bytes()
 # Prefill: rotate the activations and decode the experts in the rotated basis (True), or decode the experts with
 # the rotation undone on the tensor cores and multiply the activations as they are (False).
 PREFILL_ROTATED_BASIS = True
