@@ -161,13 +161,13 @@ def measure_quantize_on_device(device: torch.device, bits: int, group_size: int,
     """(seconds, params) to quantize one layer's weight matrices `repeats` times, from tensors already on
     `device`, in the converter's slices."""
     from turboquant_hf.codec import GroupQuantizer
-    from turboquant_hf.streaming import _CPU_SLICE, _CUDA_SLICE
+    from turboquant_hf.streaming import CPU_SLICE, CUDA_SLICE
 
     gen = torch.Generator().manual_seed(1)
     shapes = [s for n, s in llama_tensors(1, **SHAPES) if ".layers." in n and len(s) == 2]
     weights = [(torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16).to(device) for s in shapes]
     q = GroupQuantizer(bits, group_size, device)
-    slice_elems = _CUDA_SLICE if device.type == "cuda" else _CPU_SLICE
+    slice_elems = CUDA_SLICE if device.type == "cuda" else CPU_SLICE
 
     slices = [(w, r, max(1, slice_elems // w.shape[1])) for w in weights
               for r in range(0, w.shape[0], max(1, slice_elems // w.shape[1]))]

@@ -646,7 +646,7 @@ def test_existing_output_is_refused_before_any_work(tiny_llama_dir, tmp_path, mo
         _convert(tiny_llama_dir, os.path.join(tiny_llama_dir, "out"))
 
 
-def testsource_index_reads_only_listed_files(tiny_llama_dir, tmp_path):
+def test_source_index_reads_only_listed_files(tiny_llama_dir, tmp_path):
     """With an index, stray .safetensors files (consolidated copies, ...) are not read."""
     src = tmp_path / "src"
     AutoModelForCausalLM.from_pretrained(tiny_llama_dir).save_pretrained(src, max_shard_size="200KB")

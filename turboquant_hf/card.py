@@ -26,9 +26,9 @@ BUILD_NAME = "turboquant_build.json"
 CARD_NAME = "README.md"
 TEMPLATE_NAME = "README.md.jinja"
 
-# bytes per element of a config's `dtype` / `torch_dtype` name
-_CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1,
-                       "float8_e4m3fn": 1}
+# the safetensors dtype of a config's `dtype` / `torch_dtype` name (its size: checkpoint.DTYPE_BYTES)
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "bf16": "BF16", "fp16": "F16", "fp32": "F32",
+                  "fp8": "F8_E4M3", "float8_e4m3fn": "F8_E4M3"}
 _COPIED_FROM_BASE = ("license", "license_name", "license_link", "language")
 
 
@@ -135,7 +135,7 @@ def checkpoint_summary(directory: str) -> dict[str, Any]:
     orig_in = tq.get("orig_in_dims") or {}
     config = _read_json(os.path.join(directory, "config.json")) or {}
     base_dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
-    dtype_bytes = _CONFIG_DTYPE_BYTES.get(base_dtype, 2)
+    dtype_bytes = ckpt.DTYPE_BYTES[_CONFIG_DTYPES.get(base_dtype, "BF16")]
 
     def nbytes(name):
         info = index[name]

@@ -1,6 +1,6 @@
-"""The on-disk side of the streaming quantizer: the source's safetensors headers and row reads, output shards
-written in place at fixed offsets (a shard is synced and renamed once complete), the host buffers of a device
-pipeline, and the run's fingerprint for resuming."""
+"""The on-disk side of the streaming quantizer: the source's safetensors headers and row reads, the output's shard
+layout, shards written in place at fixed offsets (a shard is synced and renamed once complete), the host buffers
+of a device pipeline, and the temporary output folder with the run's record for resuming."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import math
 import os
 import queue
+import shutil
 import struct
 import sys
 import threading
@@ -19,6 +20,7 @@ import torch
 from . import checkpoint as ckpt
 
 INDEX_NAME = "model.safetensors.index.json"
+STATE_NAME = "turboquant_convert.json"  # the layout record of a run, kept in the temporary folder for resume
 # dtypes of safetensors, with torch's equivalent; floating-point ones are what can be quantized
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                  "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
@@ -154,6 +156,24 @@ class SourceReader:
 
 # ---------------------------------------------------------------------------------------------------------------
 # writing: safetensors shards whose layout is fixed before any work, filled in place
+def shard_layout(outputs, max_shard_size: int) -> list[tuple[str, list]]:
+    """[(file name, [(tensor, dtype, shape)])] of the output tensors [(tensor, dtype, shape)], in order: a new shard
+    whenever the next tensor would overflow this one."""
+    shards, current, size = [], [], 0
+    for name, dtype, shape in outputs:
+        nbytes = math.prod(shape) * ckpt.DTYPE_BYTES[dtype]
+        if current and size + nbytes > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, dtype, tuple(shape)))
+        size += nbytes
+    if current:
+        shards.append(current)
+    n = len(shards)
+    return [("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors", entries)
+            for i, entries in enumerate(shards)]
+
+
 def shard_header(entries: list[tuple[str, str, tuple]]) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """(header bytes, {name: (data offset, nbytes)}) of a shard, laid out as safetensors' own writer does."""
     order = sorted(entries, key=lambda e: (-DTYPE_RANK.get(e[1], 0), e[0]))
@@ -350,8 +370,71 @@ class SliceWriter:
                 self._room.release()
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the run: its temporary output folder, the record that lets an interrupted run resume, the process's memory
+def fingerprint(index: dict[str, SourceTensor]) -> list:
+    """[file name, size, modification time] of every source file: a resumed run must read the same files."""
+    out = []
+    for path in sorted({t.file for t in index.values()}):
+        st = os.stat(path)
+        out.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def run_record(source_dir: str, index: dict[str, SourceTensor], quantization_config: dict, keep_dtype,
+               max_shard_size: int, layout) -> dict:
+    """What a run is: its source (and the source files' fingerprint), configuration, shard size and layout."""
+    return {"version": 1, "source": source_dir, "files": fingerprint(index),
+            "quantization_config": quantization_config, "keep_dtype": keep_dtype, "max_shard_size": max_shard_size,
+            "layout": [[f, [[n, d, list(s)] for n, d, s in e]] for f, e in layout]}
+
+
+def open_partial(tmp: str, state: dict, layout, resume: bool) -> set[str]:
+    """Make the temporary output folder `tmp` ready; returns the shards already finished in it.
+
+    With `resume` and an existing `tmp`, its run must have the record `state`: its complete shards are kept, the
+    rest removed. Otherwise `tmp` starts empty but for the record `state`."""
+    state_path = os.path.join(tmp, STATE_NAME)
+    done_files: set[str] = set()
+    if resume and os.path.isdir(tmp):
+        try:
+            with open(state_path) as f:
+                previous = json.load(f)
+        except (OSError, ValueError):
+            previous = None
+        if previous != json.loads(json.dumps(state)):
+            raise ConversionError(
+                f"{tmp}: cannot resume: that run was started with another source, configuration or shard size "
+                "(or its record is unreadable); remove it, or run without --resume to start over")
+        done_files = {f for f, entries in layout if shard_is_complete(os.path.join(tmp, f), entries)}
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        with open(state_path + ".tmp", "w") as f:
+            json.dump(state, f)
+        os.replace(state_path + ".tmp", state_path)
+    for entry in os.listdir(tmp):  # leftovers of the interrupted run: unfinished shards
+        if entry != STATE_NAME and entry not in done_files:
+            os.remove(os.path.join(tmp, entry))
+    return done_files
+
+
+def move_into_place(tmp: str, save_dir: str) -> None:
+    """Rename the complete folder `tmp` (its run record removed) to `save_dir`; an existing `save_dir` goes only once
+    the new folder has its name."""
+    os.remove(os.path.join(tmp, STATE_NAME))
+    if os.path.exists(save_dir):
+        old = os.path.join(os.path.dirname(save_dir), f".{os.path.basename(save_dir)}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(save_dir, old)
+        os.replace(tmp, save_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, save_dir)
+
 
 def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation without swapping (Linux: MemAvailable), or None if unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -378,11 +461,3 @@ def peak_rss() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-def fingerprint(index: dict[str, SourceTensor]) -> list:
-    out = []
-    for path in sorted({t.file for t in index.values()}):
-        st = os.stat(path)
-        out.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
-    return out

@@ -38,7 +38,8 @@ from . import codec
 from . import format as fmt
 from .config import TurboQuantConfig
 from .shards import (DTYPE_NAMES, INDEX_NAME, TORCH_DTYPES, ConversionError, HostBuffers, SliceWriter, SourceReader,
-                     fingerprint, peak_rss, shard_is_complete, source_index)
+                     move_into_place, open_partial, peak_rss, run_record, shard_layout, source_index)
+from .shards import STATE_NAME  # noqa: F401  (the run record's file name, in the partial folder: for callers)
 
 try:  # optimum's quantizer interface, when the installed optimum has it
     from optimum.quantization_base import OptimumQuantizer as _QuantizerBase
@@ -51,7 +52,6 @@ _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 _COPIED_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
 _SKIPPED_FILES = {"model.safetensors.index.json", "config.json", "README.md", fmt.TQ_CONFIG_NAME}
-STATE_NAME = "turboquant_convert.json"  # the layout record of a run, kept in the temporary folder for resume
 
 # names of the scale tensors that quantized (FP8, block-scaled) checkpoints carry beside their weights
 _SCALE_TENSOR = re.compile(r"^(.*)\.(weight_scale_inv|weight_scale|weight_scale_2|input_scale)$")
@@ -59,8 +59,8 @@ _SCALE_TENSOR = re.compile(r"^(.*)\.(weight_scale_inv|weight_scale|weight_scale_
 # Working memory per weight of a slice being quantized: the source slice, the quantizer's buffers (three float32
 # ones, the int32 and uint8 indices, a 16-bit staging copy: codec.GroupQuantizer), the packed output.
 _BYTES_PER_ELEMENT = 32
-_CPU_SLICE = 1 << 18  # weights per slice on CPU: the quantizer's buffers for it (5 MB) stay in the caches
-_CUDA_SLICE = 1 << 24  # 32 MB of bf16 a slice: large enough for the kernels, small enough for the host buffers
+CPU_SLICE = 1 << 18  # weights per slice on CPU: the quantizer's buffers for it (5 MB) stay in the caches
+CUDA_SLICE = 1 << 24  # 32 MB of bf16 a slice: large enough for the kernels, small enough for the host buffers
 # devices whose slices are quantized by the worker pool; on the others (CUDA) the main thread quantizes
 _POOLED_DEVICES = ("cpu",)
 # threads that read ahead for a device, and slices on their way from the disk to the output (being read, waiting
@@ -71,7 +71,6 @@ _DEVICE_IN_FLIGHT = 8
 # keeps returning them to the system (a larger freed block raises glibc's mmap threshold, and each worker's arena
 # then holds on to its largest slices: measured 140 MB instead of 40 MB at 16 MB slices)
 _COPY_SLICE = 1 << 20
-
 
 
 @dataclass
@@ -140,7 +139,6 @@ class _Unit:
     @property
     def numel(self) -> int:
         return sum(t.numel for t in self.sources)
-
 
 
 class StreamingQuantizer(_QuantizerBase):
@@ -289,24 +287,6 @@ class StreamingQuantizer(_QuantizerBase):
             units.append(unit)
         return units
 
-    @staticmethod
-    def _layout(units: list[_Unit], max_shard_size: int) -> list[tuple[str, list]]:
-        """[(file name, [(tensor, dtype, shape)])]: a new shard whenever the next tensor would overflow this one."""
-        shards, current, size = [], [], 0
-        for unit in units:
-            for name, dtype, shape in unit.outputs:
-                nbytes = math.prod(shape) * ckpt.DTYPE_BYTES[dtype]
-                if current and size + nbytes > max_shard_size:
-                    shards.append(current)
-                    current, size = [], 0
-                current.append((name, dtype, tuple(shape)))
-                size += nbytes
-        if current:
-            shards.append(current)
-        n = len(shards)
-        return [("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors", entries)
-                for i, entries in enumerate(shards)]
-
     # -- conversion ------------------------------------------------------------------------------------------
     def quantize(
         self,
@@ -333,66 +313,18 @@ class StreamingQuantizer(_QuantizerBase):
         stored). build_info: `{"command", "recipe"}` for the model card's build record.
         """
         cfg = quantization_config or TurboQuantConfig()
-        largest = self.largest_tensor_bytes
-        if max_memory is not None and max_memory < largest:
-            name = max(self.tensors.values(), key=lambda t: t.nbytes).name
-            raise ValueError(
-                f"--max-memory {max_memory:,} bytes is smaller than the largest tensor ({name}, {largest:,} bytes); "
-                "nothing was written"
-            )
-        keep_dtype = None
-        if dtype is not None and str(dtype) != "auto":
-            tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
-            keep_dtype = DTYPE_NAMES[tdtype]
-        save_dir = os.path.abspath(str(save_dir))
-        if os.path.exists(save_dir) and not overwrite:
-            raise FileExistsError(f"{save_dir} exists; remove it first or pass overwrite=True (--force); "
-                                  "nothing was written")
-        if os.path.commonpath([save_dir, self.source_dir]) in (save_dir, self.source_dir):
-            raise ValueError(f"{save_dir}: the output must be outside the source folder {self.source_dir} "
-                             "(the source is never modified)")
+        self._check_budget(max_memory)
+        keep_dtype = _keep_dtype(dtype)
+        save_dir = self._check_output(save_dir, overwrite)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         units = self._plan(cfg, keep_dtype)
-        layout = self._layout(units, max_shard_size)
-        state = {"version": 1, "source": self.source_dir, "files": fingerprint(self.tensors),
-                 "quantization_config": cfg.to_dict(), "keep_dtype": keep_dtype, "max_shard_size": max_shard_size,
-                 "layout": [[f, [[n, d, list(s)] for n, d, s in e]] for f, e in layout]}
+        layout = shard_layout([o for unit in units for o in unit.outputs], max_shard_size)
+        state = run_record(self.source_dir, self.tensors, cfg.to_dict(), keep_dtype, max_shard_size, layout)
         parent = os.path.dirname(save_dir)
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".{os.path.basename(save_dir)}.partial")
-        state_path = os.path.join(tmp, STATE_NAME)
-        done_files: set[str] = set()
-        if resume and os.path.isdir(tmp):
-            try:
-                with open(state_path) as f:
-                    previous = json.load(f)
-            except (OSError, ValueError):
-                previous = None
-            if previous != json.loads(json.dumps(state)):
-                raise ConversionError(
-                    f"{tmp}: cannot resume: that run was started with another source, configuration or shard size "
-                    "(or its record is unreadable); remove it, or run without --resume to start over")
-            done_files = {f for f, entries in layout if shard_is_complete(os.path.join(tmp, f), entries)}
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            with open(state_path + ".tmp", "w") as f:
-                json.dump(state, f)
-            os.replace(state_path + ".tmp", state_path)
-        for entry in os.listdir(tmp):  # leftovers of the interrupted run: unfinished shards
-            if entry != STATE_NAME and entry not in done_files:
-                os.remove(os.path.join(tmp, entry))
-
-        summary = ConversionSummary(device=str(device), shards=[f for f, _ in layout],
-                                    shards_resumed=len(done_files), peak_rss_before=peak_rss())
-        for unit in units:
-            if unit.target is not None:
-                summary.params_quantized += unit.numel
-                summary.bytes_out_quantized += sum(math.prod(s) * ckpt.DTYPE_BYTES[d] for _, d, s in unit.outputs)
-            else:
-                summary.params_kept += unit.numel
-            summary.bytes_in += unit.nbytes_in
-        summary.bytes_out = sum(math.prod(s) * ckpt.DTYPE_BYTES[d] for _, e in layout for _, d, s in e)
+        done_files = open_partial(tmp, state, layout, resume)
+        summary = _summary(units, layout, done_files, device)
         start = time.perf_counter()
         try:
             self._convert(tmp, units, layout, done_files, device, max_memory, progress, summary)
@@ -401,15 +333,7 @@ class StreamingQuantizer(_QuantizerBase):
             summary.peak_rss = peak_rss()
             if model_card:
                 self._write_card(tmp, save_dir, base_model, build_info)
-            os.remove(state_path)
-            if os.path.exists(save_dir):  # overwrite: the old folder goes only once the new one is complete
-                old = os.path.join(parent, f".{os.path.basename(save_dir)}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(save_dir, old)
-                os.replace(tmp, save_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, save_dir)
+            move_into_place(tmp, save_dir)
         except Exception:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -421,6 +345,27 @@ class StreamingQuantizer(_QuantizerBase):
         if progress is not False:
             print(summary.text(), file=sys.stderr)
         return summary
+
+    def _check_budget(self, max_memory: int | None) -> None:
+        """Refuse a working-memory budget smaller than the largest source tensor."""
+        largest = self.largest_tensor_bytes
+        if max_memory is not None and max_memory < largest:
+            name = max(self.tensors.values(), key=lambda t: t.nbytes).name
+            raise ValueError(
+                f"--max-memory {max_memory:,} bytes is smaller than the largest tensor ({name}, {largest:,} bytes); "
+                "nothing was written"
+            )
+
+    def _check_output(self, save_dir, overwrite: bool) -> str:
+        """The absolute output folder, refused if it exists (unless `overwrite`) or overlaps the source."""
+        save_dir = os.path.abspath(str(save_dir))
+        if os.path.exists(save_dir) and not overwrite:
+            raise FileExistsError(f"{save_dir} exists; remove it first or pass overwrite=True (--force); "
+                                  "nothing was written")
+        if os.path.commonpath([save_dir, self.source_dir]) in (save_dir, self.source_dir):
+            raise ValueError(f"{save_dir}: the output must be outside the source folder {self.source_dir} "
+                             "(the source is never modified)")
+        return save_dir
 
     def _convert(self, out_dir, units, layout, done_files, device, max_memory, progress, summary) -> None:
         """Read, quantize and write every unit not already in a finished shard (see `_SlicePipeline`)."""
@@ -463,6 +408,29 @@ class StreamingQuantizer(_QuantizerBase):
             warnings.warn(f"TurboQuant: converted the model but could not write its model card: {e}")
 
 
+def _keep_dtype(dtype) -> str | None:
+    """The safetensors dtype to cast the tensors kept in full precision to (None: as stored)."""
+    if dtype is None or str(dtype) == "auto":
+        return None
+    tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
+    return DTYPE_NAMES[tdtype]
+
+
+def _summary(units: list[_Unit], layout, done_files: set, device) -> ConversionSummary:
+    """The summary of a run before its tensor work: what is quantized and kept, the bytes in and out."""
+    summary = ConversionSummary(device=str(device), shards=[f for f, _ in layout],
+                                shards_resumed=len(done_files), peak_rss_before=peak_rss())
+    for unit in units:
+        if unit.target is not None:
+            summary.params_quantized += unit.numel
+            summary.bytes_out_quantized += sum(math.prod(s) * ckpt.DTYPE_BYTES[d] for _, d, s in unit.outputs)
+        else:
+            summary.params_kept += unit.numel
+        summary.bytes_in += unit.nbytes_in
+    summary.bytes_out = sum(math.prod(s) * ckpt.DTYPE_BYTES[d] for _, e in layout for _, d, s in e)
+    return summary
+
+
 class _SlicePipeline:
     """Reads, quantizes and writes every unit not already in a finished shard, slice by slice.
 
@@ -487,7 +455,7 @@ class _SlicePipeline:
         else:
             self.workers = _DEVICE_READERS
             self.in_flight = _DEVICE_IN_FLIGHT
-        self.slice_elems = _CPU_SLICE if self.on_cpu else _CUDA_SLICE
+        self.slice_elems = CPU_SLICE if self.on_cpu else CUDA_SLICE
         self.copy_bytes = _COPY_SLICE
         if max_memory is not None:  # every slice in flight at once, with its temporaries, within the budget
             self.slice_elems = max(1, min(self.slice_elems, max_memory // (self.in_flight * _BYTES_PER_ELEMENT)))
