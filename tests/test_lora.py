@@ -28,22 +28,14 @@ def _batch():
     return torch.randint(3, 256, (4, 24), generator=g)
 
 
-@pytest.fixture
-def base(tiny_llama_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=4),
-                                                dtype=torch.float32)
-
-
-def test_adapter_gradients_match_the_dequantized_model(base):
-    plain = copy.deepcopy(base).dequantize(dtype=torch.float32)
+def _adapter_gradients(quantized, config: dict) -> tuple[dict, dict, object]:
+    """The adapter gradients of one batch on the quantized model and on a copy holding its dequantized weights
+    (the same adapter initialisation on both); returns both and the quantized PEFT model."""
+    plain = copy.deepcopy(quantized).dequantize(dtype=torch.float32)
     torch.manual_seed(0)
-    model = lora.get_peft_model(base, _config())
+    model = lora.get_peft_model(quantized, peft.LoraConfig(**config))
     torch.manual_seed(0)
-    reference = peft.get_peft_model(plain, _config())
-    wrapped = [m for m in model.modules() if isinstance(m, lora.TurboQuantLoraLinear)]
-    assert len(wrapped) == 3 * 2 and all(isinstance(m.base_layer, TurboQuantLinear) for m in wrapped)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
+    reference = peft.get_peft_model(plain, peft.LoraConfig(**config))
     ids = _batch()
     for m in (model, reference):
         m(input_ids=ids, labels=ids).loss.backward()
@@ -52,6 +44,21 @@ def test_adapter_gradients_match_the_dequantized_model(base):
     assert grads.keys() == ref.keys()
     for n in grads:
         assert ((grads[n] - ref[n]).norm() / ref[n].norm()).item() < GRAD_RTOL, n
+    return grads, ref, model
+
+
+@pytest.fixture
+def base(tiny_llama_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=4),
+                                                dtype=torch.float32)
+
+
+def test_adapter_gradients_match_the_dequantized_model(base):
+    config = dict(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    grads, _, model = _adapter_gradients(base, config)
+    wrapped = [m for m in model.modules() if isinstance(m, lora.TurboQuantLoraLinear)]
+    assert len(wrapped) == 3 * 2 and all(isinstance(m.base_layer, TurboQuantLinear) for m in wrapped)
+    assert grads and all("lora_" in n for n in grads)
 
 
 def test_train_save_reload_merge(base, tiny_llama_dir, tmp_path):
@@ -110,21 +117,11 @@ def test_trainer_accepts_the_adapter_model(base, tmp_path):
 def test_dora_matches_the_dequantized_model_and_merges(base, tiny_llama_dir, tmp_path):
     """DoRA: the same gradients as PEFT's DoRA on the dequantized model, a saved adapter reloads to the same
     logits, and merge_and_unload gives them too (float32)."""
-    plain = copy.deepcopy(base).dequantize(dtype=torch.float32)
     config = dict(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False,
                   use_dora=True)
-    torch.manual_seed(0)
-    model = lora.get_peft_model(base, peft.LoraConfig(**config))
-    torch.manual_seed(0)
-    reference = peft.get_peft_model(plain, peft.LoraConfig(**config))
+    grads, _, model = _adapter_gradients(base, config)
+    assert any("lora_magnitude_vector" in n for n in grads)
     ids = _batch()
-    for m in (model, reference):
-        m(input_ids=ids, labels=ids).loss.backward()
-    ref = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert grads.keys() == ref.keys() and any("lora_magnitude_vector" in n for n in grads)
-    for n in grads:
-        assert ((grads[n] - ref[n]).norm() / ref[n].norm()).item() < GRAD_RTOL, n
     model.eval()
     with torch.no_grad():
         expected = model(input_ids=ids).logits
@@ -148,17 +145,6 @@ def test_moe_model_adapters_train_through_packed_experts(tmp_path):
     qwen3_5_moe().save_pretrained(tmp_path / "src")
     q = AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=TurboQuantConfig(bits=4, group_size=64),
                                              dtype=torch.float32)
-    plain = copy.deepcopy(q).dequantize(dtype=torch.float32)
     config = dict(r=4, lora_alpha=8, target_modules=["in_proj_qkv", "out_proj", "o_proj"], init_lora_weights=False)
-    torch.manual_seed(0)
-    model = lora.get_peft_model(q, peft.LoraConfig(**config))
-    torch.manual_seed(0)
-    reference = peft.get_peft_model(plain, peft.LoraConfig(**config))
-    ids = _batch()
-    for m in (model, reference):
-        m(input_ids=ids, labels=ids).loss.backward()
-    ref = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert grads.keys() == ref.keys() and any("layers.0." in n for n in grads)
-    for n in grads:
-        assert ((grads[n] - ref[n]).norm() / ref[n].norm()).item() < GRAD_RTOL, n
+    grads, _, _ = _adapter_gradients(q, config)
+    assert any("layers.0." in n for n in grads)
