@@ -684,7 +684,7 @@ def main() -> int:
                     help="time pair GEMV configurations on the whole op (M = 1, 3- and 4-bit unless --bits)")
     ap.add_argument("--fused", action="store_true", help="with --sweep-pairs / --sweep-whole: the fused projections' shapes too")
     ap.add_argument("--bits", help="with --sweep-pairs / --sweep-whole: the bit widths (default 3,2,4,1.58 / 3,4)")
-    ap.add_argument("--ms", help="comma-separated M (default 1,16,2048; with --sweep 1,16 (and 2048 for 2048 inputs); "
+    ap.add_argument("--ms", help="comma-separated M (default 1,16,64,256,2048; with --sweep 1,16 (and 2048 for 2048 inputs); "
                                  "with --ab-x-order / --ab-wide 8,16,32,64)")
     ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
     ap.add_argument("--ab-x-order", action="store_true",
@@ -750,7 +750,7 @@ def main() -> int:
             del case
             torch.cuda.empty_cache()
     else:
-        ms = [int(v) for v in (args.ms or "1,16,2048").split(",")]
+        ms = [int(v) for v in (args.ms or "1,16,64,256,2048").split(",")]
         for label, k, n in shapes:
             case = Case(k, n, 3)
             for m in ms:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from . import format
 from .codec import dequantize_weight, quantize_weight
-from .config import TurboQuantConfig
+from .config import CalibrationConfig, TurboQuantConfig
 from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight
 from .quantizer import TurboQuantHfQuantizer
 from .recipes import get_recipe
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 register()
 
 __all__ = [
+    "CalibrationConfig",
     "TurboQuantConfig",
     "TurboQuantExperts",
     "TurboQuantHfQuantizer",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -27,7 +29,59 @@ _KNOWN_KEYS = {
     "format",
     "quantizer_seed",
     "quant_method",
+    "calibrated_with",
+    "target_bits_per_weight",
 }
+
+DATA_FREE = "data-free"
+
+
+@dataclass
+class CalibrationConfig:
+    """How to choose indices and norms from activations instead of rounding each weight to its nearest codebook
+    value. The checkpoint is the same tq3_native format either way.
+
+    Args:
+        data: the calibration text: `"data-free"` (the model writes its own text from neutral prompts), a path to
+            a UTF-8 text file, a list of strings, a list of token-id tensors, or a `datasets.Dataset` with a
+            `text` column.
+        samples: sequences of `sequence_length` tokens to calibrate on.
+        sequence_length: tokens per sequence.
+        damping: added to the Hessian's diagonal, as a fraction of its mean diagonal.
+        seed: seeds the choice of sequences and the data-free sampling.
+        tokenizer: the tokenizer for text data (default: the model's own, from the same source).
+        options: further settings of the rounding, by name.
+    """
+
+    data: Any = DATA_FREE
+    samples: int = 128
+    sequence_length: int = 512
+    damping: float = 0.01
+    seed: int = 0
+    tokenizer: Any = None
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"CalibrationConfig: samples must be a positive integer, got {self.samples!r}")
+        if isinstance(self.sequence_length, bool) or not isinstance(self.sequence_length, int) \
+                or self.sequence_length < 2:
+            raise ValueError(f"CalibrationConfig: sequence_length must be an integer >= 2, got {self.sequence_length!r}")
+        if not isinstance(self.damping, (int, float)) or not math.isfinite(self.damping) or self.damping < 0:
+            raise ValueError(f"CalibrationConfig: damping must be a finite number >= 0, got {self.damping!r}")
+
+
+def calibration_config(value) -> CalibrationConfig | None:
+    """`TurboQuantConfig(calibration=...)` as a `CalibrationConfig`: None stays None, a `CalibrationConfig` is
+    kept, a dict gives its fields, anything else is the data."""
+    if value is None or isinstance(value, CalibrationConfig):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(CalibrationConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"TurboQuantConfig: unknown calibration setting(s) {', '.join(unknown)}")
+        return CalibrationConfig(**value)
+    return CalibrationConfig(data=value)
 
 
 class TurboQuantConfig(QuantizationConfigMixin):
@@ -46,6 +100,14 @@ class TurboQuantConfig(QuantizationConfigMixin):
         sensitive_bits, sensitive_patterns: the published checkpoints' form of an
             override: modules whose name contains any of the patterns get
             `sensitive_bits`. `module_bits` is consulted first.
+        calibration: choose indices and norms from activations (`CalibrationConfig`,
+            its fields as a dict, or just the data: `"data-free"`, a text file, a list
+            of strings or token tensors, a `datasets.Dataset`). Used while quantizing;
+            the checkpoint records where the data came from in `calibrated_with`.
+        target_bits_per_weight: a budget in stored bits per quantized weight (norms
+            included: 3-bit at G = 128 is 3.25); the layers where more bits pay most
+            get them, measured, until the budget is met. The outcome is written to
+            `module_bits`, so the checkpoint reloads with no arguments.
     """
 
     def __init__(
@@ -60,6 +122,9 @@ class TurboQuantConfig(QuantizationConfigMixin):
         format: str = fmt.FORMAT_NAME,
         quantizer_seed: int = fmt.QUANTIZER_SEED,
         quant_method: str = QUANT_METHOD,
+        calibration=None,
+        calibrated_with: dict | None = None,
+        target_bits_per_weight: float | None = None,
         **kwargs,
     ):
         unknown = sorted(set(kwargs) - _KNOWN_KEYS)
@@ -105,6 +170,15 @@ class TurboQuantConfig(QuantizationConfigMixin):
             raise ValueError("TurboQuantConfig: sensitive_patterns needs sensitive_bits")
         self.format = format
         self.quantizer_seed = fmt.QUANTIZER_SEED
+        self.calibration = calibration_config(calibration)
+        self.calibrated_with = dict(calibrated_with) if calibrated_with else None
+        if target_bits_per_weight is not None:
+            if isinstance(target_bits_per_weight, bool) or not isinstance(target_bits_per_weight, (int, float)) \
+                    or not math.isfinite(target_bits_per_weight) or not 1 <= target_bits_per_weight <= 16:
+                raise ValueError("TurboQuantConfig: target_bits_per_weight must be a number between 1 and 16, got "
+                                 f"{target_bits_per_weight!r}")
+            target_bits_per_weight = float(target_bits_per_weight)
+        self.target_bits_per_weight = target_bits_per_weight
 
     def bits_for(self, module_name: str):
         """The bit width this config gives the Linear `module_name`."""
@@ -133,6 +207,10 @@ class TurboQuantConfig(QuantizationConfigMixin):
         if self.sensitive_patterns:
             out["sensitive_bits"] = self.sensitive_bits
             out["sensitive_patterns"] = list(self.sensitive_patterns)
+        if self.target_bits_per_weight is not None:
+            out["target_bits_per_weight"] = self.target_bits_per_weight
+        if self.calibrated_with:
+            out["calibrated_with"] = dict(self.calibrated_with)
         return out
 
     def to_tq_config(self, compressed_layers: int, orig_in_dims: dict[str, int], original_model=None) -> dict:
@@ -154,6 +232,10 @@ class TurboQuantConfig(QuantizationConfigMixin):
             out["expert_bits"] = self.expert_bits
         if self.modules_to_not_convert is not None:
             out["modules_to_not_convert"] = list(self.modules_to_not_convert)
+        if self.target_bits_per_weight is not None:
+            out["target_bits_per_weight"] = self.target_bits_per_weight
+        if self.calibrated_with:
+            out["calibrated_with"] = dict(self.calibrated_with)
         if orig_in_dims:
             out["orig_in_dims"] = dict(orig_in_dims)
         return out
@@ -194,4 +276,6 @@ class TurboQuantConfig(QuantizationConfigMixin):
             modules_to_not_convert=tq_config.get("modules_to_not_convert"),
             module_bits=tq_config.get("module_bits"),
             expert_bits=tq_config.get("expert_bits"),
+            calibrated_with=tq_config.get("calibrated_with"),
+            target_bits_per_weight=tq_config.get("target_bits_per_weight"),
         )
