@@ -1,16 +1,22 @@
 """Calibration data: sequences from files, strings, token tensors and the data-free mode, and their record."""
 
 import hashlib
+import math
 import os
 
 import pytest
 import torch
 from conftest import make_tokenizer, tiny_llama_config
 
-from turboquant_hf.calibration_data import calibration_batches, describe, generate_calibration_ids
+from turboquant_hf.calibration_data import (
+    calibration_batches,
+    describe,
+    generate_calibration_ids,
+)
 from turboquant_hf.config import CalibrationConfig
 
-WORDS = "the a of to and in is it you that he was for on are with as his they be at one have this".split()
+WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with",
+         "as", "his", "they", "be", "at", "one", "have", "this"]
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +193,29 @@ def test_no_absolute_path_in_record(tmp_path, model, tok):
     cal = CalibrationConfig(data=os.path.abspath(path), samples=2, sequence_length=32)
     record = describe(cal, calibration_batches(cal, model, tok))
     assert record["source"] == "other_plays.txt" and os.sep not in record["source"]
+
+
+def test_evaluation_counts_top1_agreement_and_kl(model):
+    from transformers import LlamaForCausalLM
+
+    from turboquant_hf.evaluation import compare_log_probs, compare_on_text
+
+    ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0))
+    same = compare_on_text(model, model, ids, window=32)
+    assert same.tokens == 69 and same.top1_agreement == 1.0 and abs(same.mean_kl) < 1e-6
+    assert same.base_perplexity == same.quantized_perplexity
+    torch.manual_seed(1)
+    other = LlamaForCausalLM(tiny_llama_config()).eval()
+    diff = compare_on_text(model, other, ids, window=32)
+    with torch.no_grad():
+        a = model(ids[None, :-1]).logits[0].argmax(-1)
+        b = other(ids[None, :-1]).logits[0].argmax(-1)
+    assert diff.top1_agreement == pytest.approx((a == b).float().mean().item())
+    assert diff.top1_agreement < 1 and diff.mean_kl > 0
+    # two hand-made positions over a vocabulary of 2: argmaxes agree at the first one only
+    base = [torch.log(torch.tensor([[0.9, 0.1], [0.6, 0.4]]))]
+    quant = [torch.log(torch.tensor([[0.8, 0.2], [0.3, 0.7]]))]
+    r = compare_log_probs(base, quant, torch.tensor([0, 0, 1]), window=2)
+    kl = 0.9 * math.log(0.9 / 0.8) + 0.1 * math.log(0.1 / 0.2) + 0.6 * math.log(0.6 / 0.3) + 0.4 * math.log(0.4 / 0.7)
+    assert r.top1_agreement == 0.5 and r.mean_kl == pytest.approx(kl / 2)
+    assert r.quantized_perplexity == pytest.approx(math.exp(-(math.log(0.8) + math.log(0.7)) / 2))

@@ -140,6 +140,33 @@ def test_quality_section_comes_from_the_eval_record(mixed_dir, tmp_path):
     assert 'from_pretrained("tester/m"' in text
 
 
+def test_quality_section_shows_top1_agreement_and_the_calibration_source(mixed_dir, tmp_path):
+    d = str(tmp_path / "m")
+    shutil.copytree(mixed_dir, d)
+    with open(os.path.join(d, tq_card.EVAL_NAME), "w") as f:
+        json.dump({"tokens": 2047, "base_perplexity": 20.0, "quantized_perplexity": 22.0, "mean_kl": 0.1,
+                   "top1_agreement": 0.81234, "text": "hamlet_gut.txt", "window": 512, "dtype": "float32"}, f)
+    text = tq_card.render_card(d, repo_id="tester/m")
+    assert "| top-1 agreement with the base (same most likely next token) | 100% | 81.2% |" in text
+    assert "Rounded to the nearest codebook value (no calibration data)." in text
+    with open(os.path.join(d, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"]["calibrated_with"] = {
+        "kind": "text-file", "source": "othello_gut.txt", "source_sha256": "ab" * 32, "samples": 128,
+        "sequence_length": 512, "tokens": 65536, "seed": 0, "method": "gptq-rotated"}
+    with open(os.path.join(d, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    text = tq_card.render_card(d, repo_id="tester/m")
+    assert ("Calibrated (gptq-rotated) on `othello_gut.txt` (sha256 abababababab…): 128 sequences of 512 tokens "
+            "(65,536 tokens), seed 0.") in text
+    assert "no calibration data" not in text
+    free = {"kind": "data-free", "prompts": ["", "The"], "sampling": {"temperature": 1.0, "top_p": 0.95},
+            "samples": 32, "sequence_length": 512, "tokens": 16384, "seed": 0}
+    assert tq_card.calibration_text(free) == (
+        "Calibrated on text the base model wrote itself (data-free mode: sampled from BOS alone, `The`; temperature "
+        "1.0, top_p 0.95): 32 sequences of 512 tokens (16,384 tokens), seed 0.")
+
+
 def test_save_pretrained_model_card_opt_out(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

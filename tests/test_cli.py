@@ -465,11 +465,13 @@ def test_eval_writes_its_numbers_into_the_card(tiny_llama_dir, tmp_path, capsys)
                      "--window", "128", "--write-card", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] == 299 and result["window"] == 128 and result["mean_kl"] > 0
+    assert 0 < result["top1_agreement"] <= 1
     stored = json.loads((out / "turboquant_eval.json").read_text())
     assert stored["quantized_perplexity"] == result["quantized_perplexity"]
     readme = (out / "README.md").read_text()
     assert f"| perplexity | {result['base_perplexity']:.3f} | {result['quantized_perplexity']:.3f} |" in readme
     assert "299 predicted tokens of `words.txt`" in readme
+    assert f"| 100% | {100 * result['top1_agreement']:.1f}% |" in readme
 
 
 @pytest.mark.parametrize("recipe", ["tq3", "tq3a-tqTe"])

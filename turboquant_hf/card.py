@@ -492,7 +492,10 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
             "base_perplexity": f"{evaluation['base_perplexity']:.3f}",
             "quantized_perplexity": f"{evaluation['quantized_perplexity']:.3f}",
             "mean_kl": f"{evaluation['mean_kl']:.4f}",
+            "top1_agreement": (f"{100 * evaluation['top1_agreement']:.1f}%" if "top1_agreement" in evaluation
+                               else None),
         }
+    calibration = calibration_text((qc or {}).get("calibrated_with") or tq.get("calibrated_with"))
     hub_url = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
     return {
         "front_matter": yaml.safe_dump(front, sort_keys=False, allow_unicode=True).strip(),
@@ -501,12 +504,38 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
         "format": layout, "size": size_ctx, "group_size": size["group_size"],
         "base_dtype": size["base_dtype"], "base_bits": 8 * size["base_dtype_bytes"],
         "repo_id": repo_ref, "pipeline_tag": pipeline_tag, "base_ref": base_ref, "quality": quality,
+        "calibration": calibration,
         "memory": memory, "quantization_config_json": json.dumps(qc, indent=2), "command": command,
         "config_code": config_code,
         "config_import": "TurboQuantConfig" if config_code.startswith("TurboQuantConfig") else "recipes",
         "out_name": out_name, "seed": qc.get("quantizer_seed", fmt.QUANTIZER_SEED), "versions_text": versions_text,
         "license": front.get("license"), "evaluation": evaluation,
     }
+
+
+def calibration_text(record: dict | None) -> str | None:
+    """One sentence on the data the checkpoint was calibrated on (its `calibrated_with` record), or None."""
+    if not record:
+        return None
+    kind = record.get("kind")
+    if kind == "data-free":
+        prompts = ", ".join(f"`{p}`" if p else "BOS alone" for p in record.get("prompts", []))
+        sampling = ", ".join(f"{k} {v}" for k, v in (record.get("sampling") or {}).items())
+        source = (f"text the base model wrote itself (data-free mode: sampled from {prompts or 'neutral prompts'}"
+                  f"{'; ' + sampling if sampling else ''})")
+    else:
+        source = f"`{record.get('source', 'unnamed data')}`"
+        if record.get("source_sha256"):
+            source += f" (sha256 {record['source_sha256'][:12]}…)"
+    size = ""
+    if record.get("samples") and record.get("sequence_length"):
+        size = f": {record['samples']} sequences of {record['sequence_length']} tokens"
+        if record.get("tokens"):
+            size += f" ({record['tokens']:,} tokens)"
+        if "seed" in record:
+            size += f", seed {record['seed']}"
+    method = f" ({record['method']})" if isinstance(record.get("method"), str) else ""
+    return f"Calibrated{method} on {source}{size}."
 
 
 def _template():

@@ -276,7 +276,7 @@ def _report_quantized(args, out: str, cfg, extra: dict) -> int:
     if "eval" in result:
         e = result["eval"]
         text += (f"\nperplexity {e['base_perplexity']:.3f} -> {e['quantized_perplexity']:.3f}, mean KL "
-                 f"{e['mean_kl']:.4f} on {e['tokens']} tokens")
+                 f"{e['mean_kl']:.4f}, top-1 agreement {100 * e['top1_agreement']:.1f}% on {e['tokens']} tokens")
     if "push" in result:
         text += f"\npushed to {result['push']['url']}"
     _emit(args, result, text)
@@ -546,7 +546,7 @@ def cmd_eval(args, argv) -> int:
         result["card"] = tq_card.write_card(args.dir)
     _emit(args, result, f"{result['tokens']} tokens of {result['text']}: perplexity base {result['base_perplexity']:.3f},"
                         f" quantized {result['quantized_perplexity']:.3f}; mean KL(base || quantized) "
-                        f"{result['mean_kl']:.4f} nats/token")
+                        f"{result['mean_kl']:.4f} nats/token; top-1 agreement {100 * result['top1_agreement']:.1f}%")
     return EXIT_OK
 
 

@@ -161,9 +161,11 @@ def _plan_parser(sub, fmt_cls) -> None:
 
 def _eval_parser(sub, fmt_cls) -> None:
     p = sub.add_parser("eval", formatter_class=fmt_cls, epilog=_EPILOG,
-                       help="perplexity and KL divergence of a quantized model against its base",
+                       help="perplexity, KL divergence and top-1 agreement of a quantized model against its base",
                        description="Run the base and the quantized model (float32) over the same token windows of "
-                                   "a text file and report both perplexities and the mean KL(base || quantized).")
+                                   "a text file and report both perplexities, the mean KL(base || quantized) and the "
+                                   "top-1 agreement (the share of positions where both models' most likely next "
+                                   "tokens are the same). Use text the model was not calibrated on.")
     p.add_argument("dir", help="the quantized checkpoint folder")
     p.add_argument("--base", required=True, help="the base model it was quantized from (folder or Hub repo id)")
     p.add_argument("--text", required=True, help="a plain-text file")

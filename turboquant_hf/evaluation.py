@@ -1,4 +1,4 @@
-"""Quality of a quantized model against its base on real text: perplexity and KL divergence."""
+"""Quality of a quantized model against its base on real text: perplexity, KL divergence and top-1 agreement."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class QualityReport:
     base_perplexity: float
     quantized_perplexity: float
     mean_kl: float  # mean over predicted tokens of KL(base || quantized), in nats
+    top1_agreement: float  # share of predicted positions where both models' most likely next tokens are the same
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -47,26 +48,40 @@ def targets(ids: torch.Tensor, window: int = 512) -> list[torch.Tensor]:
     return [ids[start + 1 : start + window + 1] for start in range(0, len(ids) - 1, window)]
 
 
-def perplexity_from(log_probs: list[torch.Tensor], ids: torch.Tensor, window: int = 512) -> float:
-    nll = sum(-lp.gather(1, t[:, None]).sum().item() for lp, t in zip(log_probs, targets(ids, window)))
-    return math.exp(nll / (len(ids) - 1))
+def _window_sums(base_lp: torch.Tensor, quant_lp: torch.Tensor, target: torch.Tensor) -> tuple[float, ...]:
+    """Summed negative log-likelihoods (base, quantized), KL(base || quantized) and top-1 agreements of one window."""
+    nll_b = -base_lp.gather(1, target[:, None]).sum().item()
+    nll_q = -quant_lp.gather(1, target[:, None]).sum().item()
+    kl = (base_lp.exp() * (base_lp - quant_lp)).sum().item()
+    agree = (base_lp.argmax(-1) == quant_lp.argmax(-1)).sum().item()
+    return nll_b, nll_q, kl, agree
+
+
+def _report(sums, n: int) -> QualityReport:
+    nll_b, nll_q, kl, agree = (sum(x) for x in zip(*sums))
+    return QualityReport(n, math.exp(nll_b / n), math.exp(nll_q / n), kl / n, agree / n)
 
 
 def compare_log_probs(base_lp, quant_lp, ids: torch.Tensor, window: int = 512) -> QualityReport:
-    kl = sum((b.exp() * (b - q)).sum().item() for b, q in zip(base_lp, quant_lp))
-    n = len(ids) - 1
-    return QualityReport(n, perplexity_from(base_lp, ids, window), perplexity_from(quant_lp, ids, window), kl / n)
+    sums = [_window_sums(b, q, t) for b, q, t in zip(base_lp, quant_lp, targets(ids, window))]
+    return _report(sums, len(ids) - 1)
 
 
 def compare_on_text(base, quantized, ids: torch.Tensor, window: int = 512) -> QualityReport:
-    """Perplexity of both models and mean KL(base || quantized) over the same token windows."""
-    return compare_log_probs(window_log_probs(base, ids, window), window_log_probs(quantized, ids, window), ids, window)
+    """Perplexity of both models, mean KL(base || quantized) and top-1 agreement over the same token windows,
+    one window at a time (memory: two windows of log-probabilities, whatever the length of `ids`)."""
+    sums = []
+    for start, t in zip(range(0, len(ids) - 1, window), targets(ids, window)):
+        chunk = ids[start: start + window + 1]
+        (b,), (q,) = window_log_probs(base, chunk, window), window_log_probs(quantized, chunk, window)
+        sums.append(_window_sums(b, q, t))
+    return _report(sums, len(ids) - 1)
 
 
 def evaluate_folder(directory: str, base: str, text_path: str, max_tokens: int, window: int, write: bool,
                     progress=None) -> dict:
-    """Perplexity and mean KL of the quantized model in `directory` against `base` on the text file `text_path`
-    (float32, windows of `window` tokens, at most `max_tokens`); with `write`, stored as the folder's
+    """Perplexity, mean KL and top-1 agreement of the quantized model in `directory` against `base` on the text
+    file `text_path` (float32, windows of `window` tokens, at most `max_tokens`); with `write`, stored as the folder's
     evaluation record for its model card. `progress(total)`: a progress bar to update once per window."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
