@@ -124,7 +124,8 @@ def test_file_and_tokenizer_errors(tmp_path, model, tok):
     with pytest.raises(FileNotFoundError, match="calibration data file not found: .*nope.txt"):
         calibration_batches(CalibrationConfig(data=missing), model, tok)
     short = text_file(tmp_path, words(10))
-    with pytest.raises(ValueError, match=r"gives 10 tokens; one calibration sequence needs 31 \(sequence_length 32"):
+    with pytest.raises(ValueError, match=r"gives 10 tokens; one calibration sequence needs 31 \(sequence_length 32, "
+                       r"plus 1 special token"):
         calibration_batches(CalibrationConfig(data=short, sequence_length=32), model, tok)
     with pytest.raises(ValueError, match="no tokenizer"):
         calibration_batches(CalibrationConfig(data=["some text"], sequence_length=32), model, None)
@@ -186,6 +187,22 @@ def test_data_free_refuses_an_encoder():
                                 intermediate_size=64))
     with pytest.raises(ValueError, match="needs a model that generates text.*BertModel.*give real text"):
         calibration_batches(CalibrationConfig(samples=2, sequence_length=16), bert, None)
+
+
+def test_encoder_tokenizer_frames_each_sequence_with_cls_and_sep(tmp_path, model):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[CLS]", "[SEP]", *WORDS])}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    bert_like = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+    text = words(200)
+    ids = bert_like(text, add_special_tokens=False).input_ids
+    cal = CalibrationConfig(data=text_file(tmp_path, text), samples=6, sequence_length=16)
+    batches = calibration_batches(cal, model, bert_like)
+    windows = [[1] + ids[s: s + 14] + [2] for s in range(0, len(ids) - 13, 14)]
+    assert len(batches) == 6 and all(b[0].tolist() in windows for b in batches)
 
 
 def test_no_absolute_path_in_record(tmp_path, model, tok):

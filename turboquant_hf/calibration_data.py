@@ -11,7 +11,8 @@ they came from (`config.calibrated_with`).
   order shuffled by the seed, read until there is text enough.
 
 Text is cut into non-overlapping sequences of `sequence_length` tokens; each starts with the tokenizer's BOS token
-when it has one (followed by `sequence_length - 1` tokens of the text), as the model sees text at inference. When the
+when it has one (followed by `sequence_length - 1` tokens of the text), as the model sees text at inference; with
+an encoder's tokenizer (CLS and SEP, no BOS: BERT) each is CLS, text, SEP. When the
 data holds more sequences than `samples`, a subset is drawn with a generator seeded by `seed`; when it holds fewer,
 all are used (with a warning) and the record says how many.
 """
@@ -137,16 +138,27 @@ def _stream_from_texts(texts, tokenizer, eos, needed: int, order=None) -> list[i
     return stream
 
 
-def _split_stream(stream: list[int], bos, cal: CalibrationConfig, what: str) -> list[torch.Tensor]:
-    body = cal.sequence_length - (1 if bos is not None else 0)
+def _frame(tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens around each sequence: BOS first when the tokenizer has one; else, for an encoder's
+    tokenizer (BERT: CLS and SEP, no BOS), CLS first and SEP last; else none."""
+    if tokenizer.bos_token_id is not None:
+        return [tokenizer.bos_token_id], []
+    cls, sep = getattr(tokenizer, "cls_token_id", None), getattr(tokenizer, "sep_token_id", None)
+    if cls is not None and sep is not None:
+        return [cls], [sep]
+    return [], []
+
+
+def _split_stream(stream: list[int], tokenizer, cal: CalibrationConfig, what: str) -> list[torch.Tensor]:
+    prefix, suffix = _frame(tokenizer)
+    body = cal.sequence_length - len(prefix) - len(suffix)
     if len(stream) < body:
+        framing = f", plus {len(prefix) + len(suffix)} special token(s)" if prefix or suffix else ""
         raise ValueError(
             f"{what} gives {len(stream)} tokens; one calibration sequence needs {body} "
-            f"(sequence_length {cal.sequence_length}{', after BOS' if bos is not None else ''}): give more text or a "
-            "smaller sequence_length"
+            f"(sequence_length {cal.sequence_length}{framing}): give more text or a smaller sequence_length"
         )
-    prefix = [bos] if bos is not None else []
-    return [torch.tensor([prefix + stream[s: s + body]], dtype=torch.long)
+    return [torch.tensor([prefix + stream[s: s + body] + suffix], dtype=torch.long)
             for s in range(0, len(stream) - body + 1, body)]
 
 
@@ -266,21 +278,19 @@ def calibration_batches(cal: CalibrationConfig, model, tokenizer=None) -> list[t
     if kind == "text-file":
         text = _read_text_file(cal.data)  # before the tokenizer: a missing file is the first thing to report
         tok = _resolve_tokenizer(cal, model, tokenizer, required=True)
-        bos = tok.bos_token_id
         what = f"the calibration file {os.path.basename(os.fspath(cal.data))}"
-        return _choose(_split_stream(_encode(tok, text), bos, cal, what), cal, what)
+        return _choose(_split_stream(_encode(tok, text), tok, cal, what), cal, what)
     tok = _resolve_tokenizer(cal, model, tokenizer, required=True)
-    bos = tok.bos_token_id
     needed = cal.samples * cal.sequence_length
     if kind == "strings":
         what = f"the {len(cal.data)} calibration strings"
         stream = _stream_from_texts(list(cal.data), tok, tok.eos_token_id, needed=float("inf"))
-        return _choose(_split_stream(stream, bos, cal, what), cal, what)
+        return _choose(_split_stream(stream, tok, cal, what), cal, what)
     texts = _dataset_texts(cal.data)
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(cal.seed)).tolist()
     what = f"the calibration dataset ({len(texts)} rows)"
     stream = _stream_from_texts(texts["text"], tok, tok.eos_token_id, needed, order)
-    return _choose(_split_stream(stream, bos, cal, what), cal, what)
+    return _choose(_split_stream(stream, tok, cal, what), cal, what)
 
 
 def _sha256_text(text: str) -> str:
