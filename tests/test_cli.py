@@ -474,6 +474,32 @@ def test_eval_writes_its_numbers_into_the_card(tiny_llama_dir, tmp_path, capsys)
     assert f"| 100% | {100 * result['top1_agreement']:.1f}% |" in readme
 
 
+def test_eval_warns_when_the_text_is_the_calibration_text(tiny_llama_dir, tmp_path, capsys):
+    import hashlib
+
+    out = tmp_path / "tiny-tq4"
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(out), "--bits", "4"]) == 0
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(["the a of to and in is it you that he was for on are with as his they be"] * 10))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["calibrated_with"] = {
+        "kind": "text-file", "source": "words.txt", "samples": 2, "sequence_length": 64, "tokens": 128, "seed": 0,
+        "source_sha256": hashlib.sha256(text.read_text().encode()).hexdigest()}
+    (out / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert cli.main(["eval", str(out), "--base", tiny_llama_dir, "--text", str(text), "--max-tokens", "100",
+                     "--write-card"]) == 0
+    printed = capsys.readouterr().out
+    assert "warning: the evaluation text is the text the model was calibrated on (words.txt)" in printed
+    readme = (out / "README.md").read_text()
+    assert "**Warning:** the evaluation text is the text the model was calibrated on (words.txt)" in readme
+    assert "Calibrated on `words.txt`" in readme
+    other = tmp_path / "other.txt"
+    other.write_text(text.read_text() + " the")
+    assert cli.main(["eval", str(out), "--base", tiny_llama_dir, "--text", str(other), "--max-tokens", "100"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("recipe", ["tq3", "tq3a-tqTe"])
 def test_plan_agrees_with_the_module_replacement(qwen36_dir, recipe, capsys):
     """`plan` decides from tensor names and shapes in the headers; from_pretrained decides from module types.

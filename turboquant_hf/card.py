@@ -494,6 +494,7 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
             "mean_kl": f"{evaluation['mean_kl']:.4f}",
             "top1_agreement": (f"{100 * evaluation['top1_agreement']:.1f}%" if "top1_agreement" in evaluation
                                else None),
+            "warning": evaluation.get("warning"),
         }
     calibration = calibration_text((qc or {}).get("calibrated_with") or tq.get("calibrated_with"))
     hub_url = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")

@@ -546,7 +546,8 @@ def cmd_eval(args, argv) -> int:
         result["card"] = tq_card.write_card(args.dir)
     _emit(args, result, f"{result['tokens']} tokens of {result['text']}: perplexity base {result['base_perplexity']:.3f},"
                         f" quantized {result['quantized_perplexity']:.3f}; mean KL(base || quantized) "
-                        f"{result['mean_kl']:.4f} nats/token; top-1 agreement {100 * result['top1_agreement']:.1f}%")
+                        f"{result['mean_kl']:.4f} nats/token; top-1 agreement {100 * result['top1_agreement']:.1f}%"
+                        + (f"\nwarning: {result['warning']}" if result.get("warning") else ""))
     return EXIT_OK
 
 

@@ -119,6 +119,10 @@ def evaluate_folder(directory: str, base: str, text_path: str, max_tokens: int, 
                   text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), max_tokens=max_tokens,
                   window=window, dtype="float32", base=public_source(base),
                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    calibrated = tq_card.read_quantization_config(directory).get("calibrated_with") or {}
+    if calibrated.get("source_sha256") == result["text_sha256"]:
+        result["warning"] = (f"the evaluation text is the text the model was calibrated on ({calibrated.get('source')}):"
+                             " these numbers flatter it; evaluate on held-out text")
     if write:
         path = os.path.join(directory, tq_card.EVAL_NAME)
         with open(path + ".tmp", "w") as f:
