@@ -236,3 +236,25 @@ def test_evaluation_counts_top1_agreement_and_kl(model):
     kl = 0.9 * math.log(0.9 / 0.8) + 0.1 * math.log(0.1 / 0.2) + 0.6 * math.log(0.6 / 0.3) + 0.4 * math.log(0.4 / 0.7)
     assert r.top1_agreement == 0.5 and r.mean_kl == pytest.approx(kl / 2)
     assert r.quantized_perplexity == pytest.approx(math.exp(-(math.log(0.8) + math.log(0.7)) / 2))
+
+
+def test_data_free_text_of_smollm2_is_text_the_model_finds_likely(smollm2_dir):
+    """On the real SmolLM2-135M: self-generated calibration text is varied (not one token repeated) and typical of
+    the model (its perplexity on its own samples is far below its perplexity on shuffled copies of them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    batches = calibration_batches(CalibrationConfig(samples=3, sequence_length=48, seed=0), model, tok)
+    ids = torch.cat(batches)
+    assert ids.shape == (3, 48) and len(set(ids[:, 1:].flatten().tolist())) > 60
+
+    def perplexity(x):
+        with torch.no_grad():
+            logits = model(x).logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).exp().item()
+
+    g = torch.Generator().manual_seed(0)
+    shuffled = torch.cat([ids[:, :1], ids[:, 1:][:, torch.randperm(47, generator=g)]], 1)
+    own, scrambled = perplexity(ids), perplexity(shuffled)
+    assert own < 40 and scrambled > 5 * own, (own, scrambled)
