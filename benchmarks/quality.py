@@ -2,7 +2,7 @@
 
     python benchmarks/quality.py [--models smollm2 gemma3 minilm] [--bits 3 4]
                                  [--methods rtn text data-free budget] [--tokens 16384] [--samples 128]
-                                 [--write benchmarks/QUALITY.md]
+                                 [--write benchmarks/QUALITY.md]  (keeps the file's "## Decisions" section)
 
 Causal models (SmolLM2-135M-Instruct, Gemma-3-270M; bf16 folders built by examples/offline_assets.py from the
 package registry) at each bit width, G = 128:
@@ -264,8 +264,13 @@ def main() -> None:
     text = markdown(rows, args, tokens, time.perf_counter() - start)
     print(text)
     if args.write:
+        kept = ""
+        if os.path.isfile(args.write):  # the hand-written decisions below the tables stay
+            with open(args.write, encoding="utf-8") as f:
+                old = f.read()
+            kept = old[old.index("\n## Decisions"):] if "\n## Decisions" in old else ""
         with open(args.write, "w", encoding="utf-8") as f:
-            f.write(text)
+            f.write(text + kept)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1, default=str)

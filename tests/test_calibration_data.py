@@ -123,6 +123,8 @@ def test_file_and_tokenizer_errors(tmp_path, model, tok):
     missing = str(tmp_path / "nope.txt")
     with pytest.raises(FileNotFoundError, match="calibration data file not found: .*nope.txt"):
         calibration_batches(CalibrationConfig(data=missing), model, tok)
+    with pytest.raises(FileNotFoundError, match=r"pass it in a list: data=\[text\]"):
+        calibration_batches(CalibrationConfig(data="some text\nthat is not a path"), model, tok)
     short = text_file(tmp_path, words(10))
     with pytest.raises(ValueError, match=r"gives 10 tokens; one calibration sequence needs 31 \(sequence_length 32, "
                        r"plus 1 special token"):

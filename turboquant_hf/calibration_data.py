@@ -106,9 +106,12 @@ def _kind(data) -> str:
 def _read_text_file(path) -> str:
     path = os.fspath(path)
     if not os.path.isfile(path):
+        hint = "; to calibrate on a string of text, pass it in a list: data=[text]" if "\n" in path or \
+            len(path) > 255 else ""
+        shown = path if len(path) <= 120 else path[:117] + "..."
         raise FileNotFoundError(
-            f"calibration data file not found: {path} (CalibrationConfig.data is 'data-free', a path to a UTF-8 text "
-            "file, a list of strings, a list of token-id tensors, or a datasets.Dataset)"
+            f"calibration data file not found: {shown} (CalibrationConfig.data is 'data-free', a path to a UTF-8 "
+            f"text file, a list of strings, a list of token-id tensors, or a datasets.Dataset){hint}"
         )
     with open(path, encoding="utf-8") as f:
         return f.read()
