@@ -1,0 +1,341 @@
+"""Calibrated quantization of a loaded float model, one decoder layer at a time.
+
+`calibrate_model(model, config, batches)` quantizes every module `planning.from_config(model, config)` plans into the
+same TurboQuant modules the round-to-nearest path builds, choosing indices and norms with `gptq.gptq_rotated`
+against the input Hessians of real activations:
+
+1. the stack of blocks is found (the `nn.ModuleList` holding most of the planned modules: `model.layers`,
+   `encoder.layer`, `transformer.h`, ...); one forward of the float model per batch, stopped at the last block,
+   records each block's inputs (the hidden states of the first, and every block's keyword arguments: position
+   embeddings, masks, which may differ from block to block);
+2. for each block in turn: hooks accumulate `sum X^T X` of every planned Linear's input over all batches (modules fed
+   the same tensor, like q/k/v, share one), and per expert of fused MoE experts the Hessians of the tokens routed to
+   it (`down_proj`: that expert's intermediate activations); each weight is quantized, the block's modules are
+   replaced, and the block runs again with its quantized weights to give the next block its inputs. Only one block's
+   Hessians exist at a time;
+3. planned modules outside the stack are rounded to nearest.
+
+Experts that see fewer than `min_expert_tokens` routed tokens use the Hessian pooled over all experts of their layer
+(`expert_fallback="pooled"`) or round to nearest (`"rtn"`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from . import codec, planning
+from .activations import ACTIVATIONS
+from .gptq import ROUNDING_OPTIONS, gptq_rotated
+from .modules import TurboQuantExperts, is_conv1d, replace_experts_modules, replace_linear_modules
+
+METHOD = "gptq-rotated"
+DRIVER_OPTIONS = {"min_expert_tokens": 16, "expert_fallback": "pooled"}
+OPTIONS = {**ROUNDING_OPTIONS, **DRIVER_OPTIONS}
+
+
+def resolve_options(options: dict | None) -> dict:
+    """`CalibrationConfig.options` over the defaults; an unknown name or a bad value is an error naming it."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"CalibrationConfig.options: unknown option(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(OPTIONS))})")
+    out = {**OPTIONS, **options}
+    if out["expert_fallback"] not in ("pooled", "rtn"):
+        raise ValueError(f"CalibrationConfig.options: expert_fallback must be 'pooled' or 'rtn', got "
+                         f"{out['expert_fallback']!r}")
+    for key in ("sweeps", "block_size", "min_expert_tokens"):
+        if isinstance(out[key], bool) or not isinstance(out[key], int) or out[key] < (0 if key == "min_expert_tokens"
+                                                                                     else 1):
+            raise ValueError(f"CalibrationConfig.options: {key} must be a positive integer, got {out[key]!r}")
+    return out
+
+
+class _Stop(Exception):
+    """Raised by the pre-hook of the last block: the rest of the forward is not needed."""
+
+
+def find_block_stack(model: nn.Module, plan: planning.Plan) -> tuple[str, nn.ModuleList] | None:
+    """(name, list) of the `nn.ModuleList` holding the most planned modules, or None when none holds any."""
+    planned = list(plan.linears) + list(plan.experts)
+    best, best_count = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            count = sum(p.startswith(name + ".") for p in planned)
+            if count > best_count:
+                best, best_count = (name, module), count
+    return best
+
+
+def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches) -> tuple[list, list[list]]:
+    """(hidden, calls): the first block's hidden states per batch, and per block per batch its (args without the
+    hidden states, kwargs, whether the hidden states were passed by keyword)."""
+    device = _model_device(model)
+    calls: list[list] = [[] for _ in blocks]
+    hidden: list = []
+
+    def hook(index):
+        def record(module, args, kwargs):
+            by_keyword = not args
+            hs = kwargs.get("hidden_states") if by_keyword else args[0]
+            kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            calls[index].append((tuple(args[1:]), kwargs, by_keyword))
+            if index == 0:
+                hidden.append(hs)
+            if index == len(blocks) - 1:
+                raise _Stop
+        return record
+
+    handles = [b.register_forward_pre_hook(hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        for batch in batches:
+            try:
+                model(input_ids=batch.to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    if len(hidden) != len(batches) or any(len(c) != len(batches) for c in calls):
+        raise RuntimeError("calibration: the forward did not pass through every block once per batch")
+    return hidden, calls
+
+
+def _run_block(block, hs, call):
+    args, kwargs, by_keyword = call
+    out = block(**kwargs, hidden_states=hs) if by_keyword else block(hs, *args, **kwargs)
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hessians
+class _Accumulator:
+    """`sum X^T X` per planned Linear of one block (float32), shared by modules fed the same tensor in a forward,
+    and per expert of fused experts modules."""
+
+    def __init__(self, linears: dict[str, nn.Module], experts: dict[str, tuple[nn.Module, str]]):
+        self.linears, self.experts = linears, experts
+        self.hessians: dict[str, torch.Tensor] = {}
+        self.owner: dict[str, str] = {}  # module -> the module whose Hessian it shares
+        self.expert_hessians: dict[str, list] = {}
+        self.seen: dict = {}
+
+    def __enter__(self):
+        self.handles = []
+        for name, module in self.linears.items():
+            self.handles.append(module.register_forward_pre_hook(self._linear_hook(name)))
+        for name, (module, activation) in self.experts.items():
+            self.handles.append(module.register_forward_pre_hook(self._experts_hook(name, module, activation),
+                                                                 with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.seen = {}
+
+    def new_batch(self):
+        self.seen = {}  # (tensors stay referenced for the batch: no address is reused by another tensor)
+
+    def _linear_hook(self, name):
+        def hook(module, args):
+            x = args[0]
+            key = (x.data_ptr(), tuple(x.shape), x.stride())
+            if name not in self.owner:
+                self.owner[name] = self.seen[key][0] if key in self.seen else name
+            if key not in self.seen:
+                self.seen[key] = (name, x)
+            if self.owner[name] == name:
+                x2 = x.detach().reshape(-1, x.shape[-1]).float()
+                h = x2.t() @ x2
+                if name in self.hessians:
+                    self.hessians[name] += h
+                else:
+                    self.hessians[name] = h
+        return hook
+
+    def _experts_hook(self, name, module, activation):
+        act = getattr(module, "act_fn", None) or ACTIVATIONS[activation]
+
+        def hook(mod, args, kwargs):
+            values = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights")
+                                   if k in kwargs]
+            hs, top_k_index = values[0], values[1]
+            hs = hs.detach().reshape(-1, hs.shape[-1]).float()
+            gate_up = module.gate_up_proj
+            e, two_i, h = gate_up.shape
+            if name not in self.expert_hessians:
+                dev = hs.device
+                self.expert_hessians[name] = [torch.zeros(e, h, h, device=dev), torch.zeros(e, two_i // 2, two_i // 2,
+                                                                                             device=dev),
+                                              torch.zeros(e, dtype=torch.int64)]
+            hgu, hdn, counts = self.expert_hessians[name]
+            routed = top_k_index.reshape(hs.shape[0], -1)
+            for expert in range(e):
+                tokens = (routed == expert).any(-1).nonzero().squeeze(1)
+                if tokens.numel() == 0:
+                    continue
+                x = hs[tokens]
+                hgu[expert] += x.t() @ x
+                gate, up = (x @ gate_up[expert].float().t()).chunk(2, dim=-1)
+                inner = act(gate) * up
+                hdn[expert] += inner.t() @ inner
+                counts[expert] += tokens.numel()
+        return hook
+
+    def hessian(self, name: str) -> torch.Tensor:
+        return self.hessians[self.owner.get(name, name)]
+
+
+def collect_input_hessians(block: nn.Module, hidden: list, calls: list, linears: dict[str, nn.Module],
+                           experts: dict[str, tuple[nn.Module, str]] | None = None) -> _Accumulator:
+    """Run `block` over every batch and accumulate its input Hessians: `acc.hessian(name)` for each Linear of
+    `linears` (`{name: module}`), `acc.expert_hessians[name] = [gate_up (E, H, H), down (E, I, I), tokens (E,)]`
+    for each experts module of `experts` (`{name: (module, activation)}`)."""
+    acc = _Accumulator(linears, experts or {})
+    with acc, torch.no_grad():
+        for hs, call in zip(hidden, calls):
+            acc.new_batch()
+            _run_block(block, hs, call)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantizing and replacing
+def _linear_weight(module: nn.Module) -> torch.Tensor:
+    w = module.weight.detach()
+    return w.t() if is_conv1d(module) else w
+
+
+def _install_linear(model, name: str, plan: planning.LinearPlan, packed, norms) -> None:
+    old = model.get_submodule(name)
+    bias = old.bias.detach() if old.bias is not None else None
+    replace_linear_modules(model, {name: plan}, awaiting_weights=False)
+    new = model.get_submodule(name)
+    new.weight.load_packed_(packed, norms)
+    if bias is not None:
+        new.bias.data.copy_(bias)
+
+
+def _install_experts(model, name: str, plan: planning.ExpertsPlan, gate_up, down) -> None:
+    old = model.get_submodule(name)
+    replace_experts_modules(model, {name: plan}, awaiting_weights=False)
+    new: TurboQuantExperts = model.get_submodule(name)
+    new.gate_up_proj.load_packed_(*gate_up)
+    new.down_proj.load_packed_(*down)
+    for attr in ("gate_up_proj", "down_proj"):  # the replaced module keeps its shapes only (for dequantize())
+        p = getattr(old, attr)
+        setattr(old, attr, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+
+
+def _quantize_experts(module, hessians, plan: planning.ExpertsPlan, damping: float, options: dict):
+    """Packed (gate_up, down) of a fused experts module, expert by expert (expert-major rows)."""
+    hgu, hdn, counts = hessians
+    pooled = (hgu.sum(0), hdn.sum(0))
+    out = []
+    for weight, per_expert, pool, bits in ((module.gate_up_proj, hgu, pooled[0], plan.gate_up_bits),
+                                           (module.down_proj, hdn, pooled[1], plan.down_bits)):
+        packed, norms = [], []
+        for e in range(weight.shape[0]):
+            w = weight[e].detach()
+            if counts[e] >= options["min_expert_tokens"] and counts[e] > 0:
+                p, n = _gptq(w, per_expert[e], bits, plan.group_size, damping, options)
+            elif options["expert_fallback"] == "pooled" and int(counts.sum()) > 0:
+                p, n = _gptq(w, pool, bits, plan.group_size, damping, options)
+            else:
+                p, n = codec.quantize_weight(w, bits, plan.group_size)
+            packed.append(p)
+            norms.append(n)
+        out.append((torch.cat(packed), torch.cat(norms)))
+    return out
+
+
+def _gptq(weight, hessian, bits, group_size, damping, options, name="weight"):
+    return gptq_rotated(weight, hessian, bits, group_size, damping, act_order=options["act_order"],
+                        sweeps=options["sweeps"], block_size=options["block_size"], name=name)
+
+
+def rtn_quantize(model: nn.Module, plan: planning.Plan) -> None:
+    """Round-to-nearest for the planned modules of a loaded float model (the bytes quantizing on load gives)."""
+    for name, p in plan.linears.items():
+        w = _linear_weight(model.get_submodule(name))
+        _install_linear(model, name, p, *codec.quantize_weight(w, p.bits, p.group_size, name=name))
+    for name, p in plan.experts.items():
+        m = model.get_submodule(name)
+        _install_experts(model, name, p, codec.quantize_weight(m.gate_up_proj.detach(), p.gate_up_bits, p.group_size),
+                         codec.quantize_weight(m.down_proj.detach(), p.down_bits, p.group_size))
+
+
+@torch.no_grad()
+def calibrate_model(model: nn.Module, config, batches, progress=None) -> dict:
+    """Quantize the float `model` in place as `config` plans, calibrated on `batches` (token-id tensors, (1, T) each);
+    see the module docstring. `progress(i, n)`: called after each block. Returns a summary (method, blocks,
+    seconds)."""
+    if not batches:
+        raise ValueError("calibration needs at least one batch of token ids")
+    cal = config.calibration
+    damping = cal.damping if cal is not None else 0.01
+    options = resolve_options(cal.options if cal is not None else None)
+    start = time.perf_counter()
+    plan = planning.from_config(model, config)
+    found = find_block_stack(model, plan)
+    was_training = model.training
+    model.eval()
+    blocks_done = 0
+    if found is not None:
+        stack_name, blocks = found
+        hidden, calls = capture_block_inputs(model, blocks, batches)
+        for i, block in enumerate(blocks):
+            prefix = f"{stack_name}.{i}."
+            linears = {n: p for n, p in plan.linears.items() if n.startswith(prefix)}
+            experts = {n: p for n, p in plan.experts.items() if n.startswith(prefix)}
+            _calibrate_block(model, block, hidden, calls[i], linears, experts, damping, options)
+            for n in list(linears) + list(experts):
+                plan.linears.pop(n, None)
+                plan.experts.pop(n, None)
+            if i + 1 < len(blocks):
+                hidden = [_run_block(block, hs, call) for hs, call in zip(hidden, calls[i])]
+            blocks_done += 1
+            if progress is not None:
+                progress(i + 1, len(blocks))
+        del hidden, calls
+    rtn_quantize(model, plan)  # planned modules outside the stack
+    model.train(was_training)
+    return {"method": METHOD, "blocks": blocks_done, "seconds": time.perf_counter() - start,
+            "damping": damping, "options": {k: v for k, v in options.items() if v != OPTIONS[k]}}
+
+
+def _calibrate_block(model, block, hidden, calls, linears: dict, experts: dict, damping, options) -> None:
+    modules = {n: model.get_submodule(n) for n in linears}
+    experts_modules = {n: (model.get_submodule(n), p.activation) for n, p in experts.items()}
+    acc = collect_input_hessians(block, hidden, calls, modules, experts_modules)
+    results = {}
+    for name, p in linears.items():
+        w = _linear_weight(modules[name])
+        if name in acc.owner:
+            results[name] = _gptq(w, acc.hessian(name), p.bits, p.group_size, damping, options, name=name)
+        else:  # not reached by the forward
+            results[name] = codec.quantize_weight(w, p.bits, p.group_size, name=name)
+    experts_results = {n: _quantize_experts(experts_modules[n][0], acc.expert_hessians[n], p, damping, options)
+                       for n, p in experts.items() if n in acc.expert_hessians}
+    del acc
+    for name, p in linears.items():
+        _install_linear(model, name, p, *results[name])
+    for name, p in experts.items():
+        if name in experts_results:
+            _install_experts(model, name, p, *experts_results[name])
+        else:  # never reached by a token
+            m = model.get_submodule(name)
+            _install_experts(model, name, p, codec.quantize_weight(m.gate_up_proj.detach(), p.gate_up_bits,
+                                                                   p.group_size),
+                             codec.quantize_weight(m.down_proj.detach(), p.down_bits, p.group_size))
