@@ -320,12 +320,23 @@ def _calibrate_block(model, block, hidden, calls, linears: dict, experts: dict, 
     experts_modules = {n: (model.get_submodule(n), p.activation) for n, p in experts.items()}
     acc = collect_input_hessians(block, hidden, calls, modules, experts_modules)
     results = {}
+    shared: dict = {}  # modules with one Hessian, bit width and group size: quantized as one stacked weight
     for name, p in linears.items():
         w = _linear_weight(modules[name])
         if name in acc.owner:
-            results[name] = _gptq(w, acc.hessian(name), p.bits, p.group_size, damping, options, name=name)
+            shared.setdefault((acc.owner[name], p.bits, p.group_size), []).append((name, w))
         else:  # not reached by the forward
             results[name] = codec.quantize_weight(w, p.bits, p.group_size, name=name)
+    for (owner, bits, group_size), members in shared.items():
+        stacked = torch.cat([w for _, w in members]) if len(members) > 1 else members[0][1]
+        packed, norms = _gptq(stacked, acc.hessian(owner), bits, group_size, damping, options,
+                              name=", ".join(n for n, _ in members))
+        row = 0
+        n_groups = norms.shape[1]
+        for name, w in members:
+            rows = w.shape[0]
+            results[name] = (packed[row * n_groups:(row + rows) * n_groups].clone(), norms[row:row + rows].clone())
+            row += rows
     experts_results = {n: _quantize_experts(experts_modules[n][0], acc.expert_hessians[n], p, damping, options)
                        for n, p in experts.items() if n in acc.expert_hessians}
     del acc

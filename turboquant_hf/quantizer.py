@@ -75,6 +75,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
         self.conversion_failures: dict[str, str] = {}
         self.dequantize_into: dict[str, str] = {}
         self.mlx_layout: mlx.MLXLayout | None = None
+        # calibrated rounding or a bit budget: the model loads in float and is quantized after loading
+        self.deferred = False
 
     # -- environment ---------------------------------------------------------------------------------------------
     def validate_environment(self, *args, **kwargs):
@@ -116,6 +118,12 @@ class TurboQuantHfQuantizer(HfQuantizer):
                     f"TurboQuant: {type(model).__name__} has no layer this version quantizes (nn.Linear, GPT-2 Conv1D "
                     "or fused MoE experts) outside modules_to_not_convert; nothing would be quantized"
                 )
+            config = self.quantization_config
+            if config.calibration is not None or config.target_bits_per_weight is not None:
+                self.deferred = True
+                self.modules_to_not_convert = None
+                model._turboquant_original_model = getattr(model.config, "_name_or_path", None)
+                return
         self.modules_to_not_convert = None
         plan.apply(model, awaiting_weights=not self.pre_quantized)
         if not self.pre_quantized:
@@ -173,6 +181,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
             # the MLX block would describe the saved files wrongly; quantization_config describes them
             model.config.__dict__.pop("quantization", None)
         self.raise_conversion_failures()
+        if self.deferred:
+            quantize_after_loading(model, self.quantization_config)
         for name, module in model.named_modules():
             if isinstance(module, TurboQuantWeight) and module.awaiting_dtype is not None:
                 raise ckpt.CheckpointError(f"checkpoint is missing {name} (needed to quantize it)")
@@ -259,6 +269,40 @@ class TurboQuantHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def quantize_after_loading(model, config: TurboQuantConfig) -> None:
+    """Quantize a model loaded in float: bits allocated under `config.target_bits_per_weight` (when the budget
+    allocator is installed), then calibrated rounding (`config.calibration`) or round-to-nearest; the data used is
+    recorded in `config.calibrated_with`."""
+    import re
+
+    from .calibration import calibrate_model, rtn_quantize
+    from .calibration_data import calibration_batches, describe
+    from .config import CalibrationConfig
+
+    cal = config.calibration if config.calibration is not None else CalibrationConfig()
+    batches = calibration_batches(cal, model)
+    if config.target_bits_per_weight is not None:
+        try:
+            from .budget import allocate_bits
+        except ImportError:
+            allocate_bits = None
+        if allocate_bits is not None:
+            chosen = allocate_bits(model, config, batches)
+            config.module_bits = {**{f"^{re.escape(name)}$": bits for name, bits in chosen.items()},
+                                  **{k: v for k, v in config.module_bits.items()}}
+    record = describe(cal, batches)
+    if config.calibration is not None:
+        summary = calibrate_model(model, config, batches)
+        record.update(method=summary["method"], damping=summary["damping"])
+        if summary["options"]:
+            record["options"] = summary["options"]
+        logger.info("TurboQuant: calibrated %d blocks in %.1f s", summary["blocks"], summary["seconds"])
+    else:
+        rtn_quantize(model, planning.from_config(model, config))
+        record["method"] = "round-to-nearest"
+    config.calibrated_with = record
 
 
 def _resolve_placeholders_while_loading(model) -> None:
