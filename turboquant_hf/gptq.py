@@ -194,11 +194,12 @@ def _fit_norms(w_rot: torch.Tensor, values: torch.Tensor, h: torch.Tensor, lam: 
 
 
 def gptq_rotated(weight: torch.Tensor, hessian: torch.Tensor, bits=3, group_size: int = 128, damping: float = 0.01,
-                 act_order: bool = False, sweeps: int = 1, block_size: int = 128,
+                 act_order: bool = False, sweeps: int = 1, block_size: int = 128, fit_norms: bool = True,
                  name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `weight` (out, in) with error feedback against the input Hessian `hessian` (in, in; `sum X^T X` of
     the layer's inputs): packed uint8 `(out*n_groups, bytes_per_group)` and norms float32 `(out, n_groups)`, the
-    layout `codec.quantize_weight` returns (see the module docstring for the method)."""
+    layout `codec.quantize_weight` returns (see the module docstring for the method). `fit_norms=False` keeps the
+    sweep's grid scales as the norms (no least-squares step)."""
     n_levels = fmt.levels_for_bits(bits)
     group_size = fmt.check_group_size(group_size)
     if weight.dim() != 2 or not weight.is_floating_point():
@@ -228,7 +229,7 @@ def gptq_rotated(weight: torch.Tensor, hessian: torch.Tensor, bits=3, group_size
     for _ in range(sweeps):
         index, used = _sweep(w_rot.clone(), upper, grid, y0, n0, scales, block_size)
         values = grid.codebook[index]
-        scales = _fit_norms(w_rot, values, h, lam, used, group_size)
+        scales = _fit_norms(w_rot, values, h, lam, used, group_size) if fit_norms else used
     if perm is not None:
         unperm = torch.empty_like(perm)
         unperm[perm] = torch.arange(padded, device=device)
