@@ -5,10 +5,16 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_qwen3_5_moe_model
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_qwen3_5_moe_model
-from turboquant_hf import CalibrationConfig, TurboQuantConfig, TurboQuantLinear, codec, planning
+from turboquant_hf import (
+    CalibrationConfig,
+    TurboQuantConfig,
+    TurboQuantLinear,
+    codec,
+    planning,
+)
 from turboquant_hf import format as fmt
 from turboquant_hf.calibration import calibrate_model, resolve_options, rtn_quantize
 from turboquant_hf.gptq import gptq_rotated, weighted_error
@@ -169,7 +175,8 @@ def _truncated(model, layers: int):
 
 def test_smollm2_calibrated_kl_below_round_to_nearest(smollm2_dir):
     """SmolLM2-135M's first 8 blocks at 3-bit G=128, calibrated on 2048 tokens of Othello: mean KL to the float
-    model on held-out Hamlet + Macbeth (1024 tokens) well below round-to-nearest's."""
+    model on held-out Hamlet + Macbeth (1024 tokens) well below round-to-nearest's (measured: 0.22 against 0.88
+    nats)."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "examples"))
@@ -191,4 +198,21 @@ def test_smollm2_calibrated_kl_below_round_to_nearest(smollm2_dir):
     assert summary["blocks"] == 8
     kl_rtn = compare_on_text(base, rtn, held_out).mean_kl
     kl_cal = compare_on_text(base, calibrated, held_out).mean_kl
-    assert kl_cal < 0.6 * kl_rtn, (kl_cal, kl_rtn)
+    assert kl_cal < 0.5 * kl_rtn, (kl_cal, kl_rtn)
+
+
+def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path):
+    import json
+
+    from turboquant_hf import cli
+
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(["the a of to and in is it you that he was for on are with as his they"] * 40))
+    out = tmp_path / "out"
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(out), "--bits", "3", "--calibration", str(text),
+                     "--calibration-samples", "4", "--calibration-length", "32", "--json"]) == 0
+    record = json.loads((out / "config.json").read_text())["quantization_config"]["calibrated_with"]
+    assert record["method"] == "gptq-rotated" and record["source"] == "calibration.txt"
+    assert record["samples"] == 4 and record["sequence_length"] == 32
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "x"), "--calibration",
+                     str(tmp_path / "missing.txt")]) != 0

@@ -8,8 +8,10 @@ and `from_pretrained(saved_dir)` work.
 from __future__ import annotations
 
 from . import format
+from .calibration import calibrate_model
 from .codec import dequantize_weight, quantize_weight
 from .config import CalibrationConfig, TurboQuantConfig
+from .gptq import gptq_rotated
 from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight
 from .quantizer import TurboQuantHfQuantizer
 from .recipes import get_recipe
@@ -26,9 +28,11 @@ __all__ = [
     "TurboQuantHfQuantizer",
     "TurboQuantLinear",
     "TurboQuantWeight",
+    "calibrate_model",
     "dequantize_weight",
     "format",
     "get_recipe",
+    "gptq_rotated",
     "quantize_weight",
     "register",
 ]

@@ -33,7 +33,12 @@ from torch import nn
 from . import codec, planning
 from .activations import ACTIVATIONS
 from .gptq import ROUNDING_OPTIONS, gptq_rotated
-from .modules import TurboQuantExperts, is_conv1d, replace_experts_modules, replace_linear_modules
+from .modules import (
+    TurboQuantExperts,
+    is_conv1d,
+    replace_experts_modules,
+    replace_linear_modules,
+)
 
 METHOD = "gptq-rotated"
 DRIVER_OPTIONS = {"min_expert_tokens": 16, "expert_fallback": "pooled"}

@@ -189,10 +189,28 @@ def _refuse_quantized_source(src: str) -> None:
                        f"or {hint}")
 
 
+def _calibration_from_args(args, cfg) -> None:
+    """--calibration / --calibration-samples / --calibration-length as `cfg.calibration`."""
+    from .config import DATA_FREE, CalibrationConfig
+
+    data = getattr(args, "calibration", None)
+    if data is None:
+        return
+    if data != DATA_FREE and not os.path.isfile(data):
+        raise CliError(f"--calibration {data}: no such file (give a UTF-8 text file, or 'data-free')")
+    try:
+        cfg.calibration = CalibrationConfig(data=data, samples=args.calibration_samples,
+                                            sequence_length=args.calibration_length)
+    except ValueError as e:
+        raise CliError(str(e).replace("CalibrationConfig: samples", "--calibration-samples")
+                       .replace("CalibrationConfig: sequence_length", "--calibration-length")) from e
+
+
 def cmd_quantize(args, argv) -> int:
     from . import card as tq_card
 
     cfg, recipe = _quant_config(args)
+    _calibration_from_args(args, cfg)
     out = os.path.abspath(args.out)
     if os.path.exists(out) and not args.force:
         raise CliError(f"--out {args.out} already exists; choose another directory or pass --force to replace it")
@@ -203,6 +221,9 @@ def cmd_quantize(args, argv) -> int:
     if args.eval and not os.path.isfile(args.eval):
         raise CliError(f"--eval {args.eval}: no such file")
     streaming, why = _use_streaming(args)
+    if streaming and cfg.calibration is not None:
+        raise CliError(f"--calibration: the streaming converter ({why}) rounds to nearest only; calibrate with the "
+                       "model loaded whole (leave out --streaming, or raise --max-memory)")
     if streaming:
         return _quantize_streaming(args, argv, cfg, recipe, out, why)
     parent = os.path.dirname(out)

@@ -101,6 +101,14 @@ def _quantize_parser(sub, fmt_cls) -> None:
     p.add_argument("--push-to-hub", metavar="REPO", help="push the result to this Hub repo when done")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
+    c = p.add_argument_group("calibrated rounding (same tq3_native bytes, indices and norms chosen on activations)")
+    c.add_argument("--calibration", metavar="DATA",
+                   help="a UTF-8 text file to calibrate on, or 'data-free' (the model writes its own text); use text "
+                        "other than the evaluation text")
+    c.add_argument("--calibration-samples", type=int, default=128, metavar="N",
+                   help="calibration sequences (default 128)")
+    c.add_argument("--calibration-length", type=int, default=512, metavar="T",
+                   help="tokens per calibration sequence (default 512)")
     g = p.add_argument_group("streaming conversion (a local safetensors folder, tensor by tensor, bounded memory)")
     g.add_argument("--streaming", action="store_true",
                    help="use the streaming converter whatever the model's size (default: only when the weights "

@@ -185,12 +185,14 @@ def _fit_norms(w_rot: torch.Tensor, values: torch.Tensor, h: torch.Tensor, lam: 
         sweep = sweep_norms[r0:r1].double()
         fitted = torch.where(torch.isfinite(fitted) & (fitted > 0), fitted, sweep)
 
-        def objective(s):
-            return (s.unsqueeze(1) @ a @ s.unsqueeze(2)).view(-1) - 2 * (b * s).sum(-1)
-
-        better = objective(fitted) <= objective(sweep)
+        better = _objective(fitted, a, b) <= _objective(sweep, a, b)
         out[r0:r1] = torch.where(better[:, None], fitted, sweep).float()
     return out
+
+
+def _objective(s: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, `s^T A s - 2 b^T s`: the weighted error of norms `s` up to a constant of the row."""
+    return (s.unsqueeze(1) @ a @ s.unsqueeze(2)).view(-1) - 2 * (b * s).sum(-1)
 
 
 def gptq_rotated(weight: torch.Tensor, hessian: torch.Tensor, bits=3, group_size: int = 128, damping: float = 0.01,
@@ -242,7 +244,7 @@ def weighted_error(weight: torch.Tensor, hessian: torch.Tensor, packed: torch.Te
                    group_size: int) -> float:
     """`sum over rows of (w - w_hat) Hx (w - w_hat)^T`: the squared output error of the quantized weight on the
     calibration inputs whose Hessian is `hessian`."""
-    rows, in_features = weight.shape
+    in_features = weight.shape[1]
     w_hat = codec.dequantize_weight(packed, norms.float(), in_features, group_size).double()
     d = weight.double() - w_hat
     return float(((d @ hessian.double()) * d).sum())
