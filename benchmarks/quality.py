@@ -75,6 +75,30 @@ def quant_config(method: str, bits, args, sequence_length: int) -> TurboQuantCon
     return TurboQuantConfig(bits=bits, group_size=128, calibration=cal)
 
 
+def load_direct(auto_class, base_dir: str, config: TurboQuantConfig):
+    """The float model calibrated in place by `calibration.calibrate_model` on `calibration_batches` (the same
+    rounding as quantizing on load with a calibration, without the loader's integration), with its record."""
+    from transformers import AutoTokenizer
+
+    from turboquant_hf.calibration import calibrate_model
+    from turboquant_hf.calibration_data import calibration_batches, describe
+
+    model = auto_class.from_pretrained(base_dir, dtype=torch.float32)
+    if config.calibration is None or config.target_bits_per_weight is not None:
+        raise ValueError("--direct calibrates only: use the loader for round-to-nearest and budgets")
+    batches = calibration_batches(config.calibration, model, AutoTokenizer.from_pretrained(base_dir))
+    summary = calibrate_model(model, config, batches)
+    config.calibrated_with = dict(describe(config.calibration, batches), method=summary["method"])
+    model.config.quantization_config = config
+    return model
+
+
+def load(auto_class, base_dir: str, config: TurboQuantConfig, direct: bool):
+    if direct and config.calibration is not None and config.target_bits_per_weight is None:
+        return load_direct(auto_class, base_dir, config)
+    return auto_class.from_pretrained(base_dir, dtype=torch.float32, quantization_config=config)
+
+
 def applied(model, method: str) -> str | None:
     """Why the loaded model does not show `method` applied, or None when it does."""
     qc = model.config.quantization_config
@@ -102,8 +126,8 @@ def causal_rows(key: str, args) -> list[dict]:
         row = {"model": name, "bits": bits, "method": method}
         t = time.perf_counter()
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                base_dir, dtype=torch.float32, quantization_config=quant_config(method, bits, args, args.sequence_length))
+            model = load(AutoModelForCausalLM, base_dir, quant_config(method, bits, args, args.sequence_length),
+                         args.direct)
         except Exception as e:  # noqa: BLE001  (a method this installation lacks: reported, the others still run)
             row["skipped"] = f"{type(e).__name__}: {e}"
             rows.append(row)
@@ -158,8 +182,7 @@ def encoder_rows(args) -> list[dict]:
             row = {"model": name, "bits": bits, "method": method, "sentences": len(texts)}
             t = time.perf_counter()
             try:
-                model = AutoModel.from_pretrained(base_dir, dtype=torch.float32,
-                                                  quantization_config=quant_config(method, bits, args, 128))
+                model = load(AutoModel, base_dir, quant_config(method, bits, args, 128), args.direct)
             except Exception as e:  # noqa: BLE001
                 row["skipped"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
@@ -261,6 +284,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--write", metavar="PATH", help="write the tables (markdown) to PATH")
     p.add_argument("--json", metavar="PATH", help="write the measured rows as JSON to PATH")
+    p.add_argument("--direct", action="store_true",
+                   help="calibrated rows: run calibration.calibrate_model on the loaded float model instead of "
+                        "from_pretrained(quantization_config=...) (same rounding, without the loader's integration)")
     p.add_argument("--from-json", metavar="PATH", nargs="+",
                    help="measure nothing: write the tables of rows stored by earlier runs (--json), merged in order")
     args = p.parse_args()
