@@ -63,12 +63,13 @@ def test_output_is_a_valid_tq3_native_tensor(bits, group_size, in_features):
 @pytest.mark.parametrize("bits", [fmt.TERNARY, 2, 3, 4])
 @pytest.mark.parametrize("in_features", [256, 200])
 def test_identity_hessian_gives_round_to_nearest_indices(bits, in_features):
-    """A diagonal rotated Hessian feeds back no error: every group's indices are round-to-nearest's, bit for bit.
+    """A diagonal rotated Hessian feeds back no error: after one sweep every group's indices are round-to-nearest's,
+    bit for bit.
     (The padding of a last partial group carries no weight, so that group's rotated Hessian is not diagonal.)"""
     w = _weight(64, in_features, seed=2)
     group_size = 128
     n_levels = fmt.levels_for_bits(bits)
-    packed, _ = gptq_rotated(w, torch.eye(in_features), bits, group_size)
+    packed, _ = gptq_rotated(w, torch.eye(in_features), bits, group_size, sweeps=1)
     ref, _ = codec.quantize_weight(w, bits, group_size)
     idx = codec.unpack_indices(packed, n_levels, group_size).view(64, -1, group_size)
     ref_idx = codec.unpack_indices(ref, n_levels, group_size).view(64, -1, group_size)
@@ -81,7 +82,7 @@ def test_identity_hessian_gives_round_to_nearest_indices(bits, in_features):
 @pytest.mark.parametrize("bits, bound", [(fmt.TERNARY, 0.5), (2, 0.45), (3, 0.4), (4, 0.4)])
 def test_weighted_error_well_below_round_to_nearest(bits, bound):
     """On correlated inputs the output error falls to about a quarter to a third of round-to-nearest's (measured
-    ratios: ternary 0.36, 3-bit 0.28, 4-bit 0.26 for this weight and Hessian)."""
+    ratios: ternary 0.35, 2-bit 0.31, 3-bit 0.27, 4-bit 0.24 for this weight and Hessian)."""
     w = _weight(256, 352, seed=3)
     hx = _correlated_hessian(352)
     rtn = weighted_error(w, hx, *codec.quantize_weight(w, bits, 128), 128)
@@ -95,7 +96,7 @@ def _row_errors(w, hx, packed, norms):
 
 
 @pytest.mark.parametrize("bits", [fmt.TERNARY, 3])
-@pytest.mark.parametrize("options", [{}, {"act_order": True}])
+@pytest.mark.parametrize("options", [{"sweeps": 1}, {"sweeps": 2}])
 def test_norm_fit_never_increases_the_error(bits, options):
     w = _weight(128, 200, seed=4)
     hx = _correlated_hessian(200, tokens=512, seed=5)
@@ -116,7 +117,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="NaN"):
         gptq_rotated(bad, torch.eye(128), 3, 128, name="layer.weight")
     with pytest.raises(ValueError, match="unknown option"):
-        resolve_options({"act_ordr": True})
+        resolve_options({"sweep": 2})
     with pytest.raises(ValueError, match="expert_fallback"):
         resolve_options({"expert_fallback": "mean"})
 

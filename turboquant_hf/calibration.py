@@ -270,8 +270,8 @@ def _quantize_experts(module, hessians, plan: planning.ExpertsPlan, damping: flo
 
 
 def _gptq(weight, hessian, bits, group_size, damping, options, name="weight"):
-    return gptq_rotated(weight, hessian, bits, group_size, damping, act_order=options["act_order"],
-                        sweeps=options["sweeps"], block_size=options["block_size"], name=name)
+    return gptq_rotated(weight, hessian, bits, group_size, damping, sweeps=options["sweeps"],
+                        block_size=options["block_size"], name=name)
 
 
 def rtn_quantize(model: nn.Module, plan: planning.Plan) -> None:

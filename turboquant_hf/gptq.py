@@ -17,7 +17,7 @@ tensor. With the layer's input Hessian `Hx = sum X^T X`, a row's output error on
    group keeps its sweep norm where the fitted one is not finite or not positive, and a row keeps all its sweep norms
    where the fit does not lower its error under the undamped Hessian.
 
-Where a group receives no error feedback (the first group of the sweep, or every group under a diagonal Hessian) its
+Where a group receives no error feedback in a first sweep (the first group, or every group under a diagonal Hessian) its
 coordinates and norm are the round-to-nearest quantizer's own (`codec.GroupQuantizer.rotate`), so its indices are
 round-to-nearest's bit for bit.
 """
@@ -31,9 +31,12 @@ import torch
 from . import codec
 from . import format as fmt
 
-# Settings of the rounding (`CalibrationConfig.options`): `act_order` sweeps the coordinates of each group in order of
-# decreasing Hessian diagonal; `sweeps` > 1 repeats the sweep with each group's grid scaled by the fitted norms.
-ROUNDING_OPTIONS = {"act_order": False, "sweeps": 1, "block_size": 128}
+# Settings of the rounding (`CalibrationConfig.options`): `sweeps` > 1 repeats the sweep with each group's grid scaled by
+# the norms the previous one fitted, and fits them again. Measured on SmolLM2-135M's first 10 blocks at 3 bits (mean KL
+# to the float model on held-out Hamlet + Macbeth, 4096 calibration tokens of other plays): one sweep 0.128, two
+# 0.123 (damping 0.01); 0.124 and 0.114 at damping 0.05, 0.116 with three sweeps. Sweeping each group's coordinates
+# in order of decreasing Hessian diagonal changed nothing (0.128) and is not offered.
+ROUNDING_OPTIONS = {"sweeps": 2, "block_size": 128}
 
 
 def block_rotation(group_size: int, dtype=torch.float64, device=None) -> torch.Tensor:
@@ -196,12 +199,13 @@ def _objective(s: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tenso
 
 
 def gptq_rotated(weight: torch.Tensor, hessian: torch.Tensor, bits=3, group_size: int = 128, damping: float = 0.01,
-                 act_order: bool = False, sweeps: int = 1, block_size: int = 128, fit_norms: bool = True,
+                 sweeps: int = 2, block_size: int = 128, fit_norms: bool = True,
                  name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `weight` (out, in) with error feedback against the input Hessian `hessian` (in, in; `sum X^T X` of
     the layer's inputs): packed uint8 `(out*n_groups, bytes_per_group)` and norms float32 `(out, n_groups)`, the
-    layout `codec.quantize_weight` returns (see the module docstring for the method). `fit_norms=False` keeps the
-    sweep's grid scales as the norms (no least-squares step)."""
+    layout `codec.quantize_weight` returns (see the module docstring for the method). `sweeps`: see
+    `ROUNDING_OPTIONS`. `fit_norms=False` skips the last least-squares fit: the norms are the last sweep's grid
+    scales."""
     n_levels = fmt.levels_for_bits(bits)
     group_size = fmt.check_group_size(group_size)
     if weight.dim() != 2 or not weight.is_floating_point():
@@ -217,25 +221,14 @@ def gptq_rotated(weight: torch.Tensor, hessian: torch.Tensor, bits=3, group_size
     upper64, lam = _inverse_cholesky(h, damping)
     y0, n0 = grid.rotated(weight, bits)
     padded, ng = y0.shape[1], n0.shape[1]
-    perm = None
-    if act_order:  # within each group, coordinates by decreasing Hessian diagonal
-        key = torch.diagonal(h).view(ng, group_size)
-        perm = (torch.argsort(key, dim=1, descending=True, stable=True)
-                + torch.arange(ng, device=device)[:, None] * group_size).view(-1)
-        h = h[perm][:, perm]
-        upper64, lam = _inverse_cholesky(h, damping)
-        y0 = y0[:, perm]
     upper = upper64.float()
     w_rot = (y0.view(rows, ng, group_size) * n0.unsqueeze(-1)).view(rows, padded)
     scales = None
-    for _ in range(sweeps):
+    for sweep in range(sweeps):
         index, used = _sweep(w_rot.clone(), upper, grid, y0, n0, scales, block_size)
         values = grid.codebook[index]
-        scales = _fit_norms(w_rot, values, h, lam, used, group_size) if fit_norms else used
-    if perm is not None:
-        unperm = torch.empty_like(perm)
-        unperm[perm] = torch.arange(padded, device=device)
-        index = index[:, unperm]
+        last = sweep == sweeps - 1
+        scales = used if last and not fit_norms else _fit_norms(w_rot, values, h, lam, used, group_size)
     packed = codec.pack_indices(index.view(rows * ng, group_size), n_levels)
     return packed, scales
 
