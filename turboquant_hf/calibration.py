@@ -7,7 +7,8 @@ against the input Hessians of real activations:
 1. the stack of blocks is found (the `nn.ModuleList` holding most of the planned modules: `model.layers`,
    `encoder.layer`, `transformer.h`, ...); one forward of the float model per batch, stopped at the last block,
    records each block's inputs (the hidden states of the first, and every block's keyword arguments: position
-   embeddings, masks, which may differ from block to block);
+   embeddings, masks, which may differ from block to block); blocks the forward does not run (extra prediction
+   layers) are left to step 3;
 2. for each block in turn: hooks accumulate `sum X^T X` of every planned Linear's input over all batches (modules fed
    the same tensor, like q/k/v, share one), and per expert of fused MoE experts the Hessians of the tokens routed to
    it (`down_proj`: that expert's intermediate activations); each weight is quantized, the block's modules are
@@ -108,8 +109,8 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches) -> tu
     finally:
         for h in handles:
             h.remove()
-    if len(hidden) != len(batches) or any(len(c) != len(batches) for c in calls):
-        raise RuntimeError("calibration: the forward did not pass through every block once per batch")
+    if len(hidden) != len(batches) or any(len(c) > len(batches) for c in calls):
+        raise RuntimeError("calibration: the forward did not pass through the blocks once per batch")
     return hidden, calls
 
 
@@ -305,6 +306,8 @@ def calibrate_model(model: nn.Module, config, batches, progress=None) -> dict:
         stack_name, blocks = found
         hidden, calls = capture_block_inputs(model, blocks, batches)
         for i, block in enumerate(blocks):
+            if len(calls[i]) != len(batches):  # a block the forward does not run (their modules: round-to-nearest)
+                break
             prefix = f"{stack_name}.{i}."
             linears = {n: p for n, p in plan.linears.items() if n.startswith(prefix)}
             experts = {n: p for n, p in plan.experts.items() if n.startswith(prefix)}
@@ -312,7 +315,7 @@ def calibrate_model(model: nn.Module, config, batches, progress=None) -> dict:
             for n in list(linears) + list(experts):
                 plan.linears.pop(n, None)
                 plan.experts.pop(n, None)
-            if i + 1 < len(blocks):
+            if i + 1 < len(blocks) and len(calls[i + 1]) == len(batches):
                 hidden = [_run_block(block, hs, call) for hs, call in zip(hidden, calls[i])]
             blocks_done += 1
             if progress is not None:

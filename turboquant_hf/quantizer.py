@@ -288,6 +288,8 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
             from .budget import allocate_bits
         except ImportError:
             allocate_bits = None
+            logger.warning("TurboQuant: target_bits_per_weight needs turboquant_hf.budget, which this installation "
+                           "lacks; every module keeps the bits of the config")
         if allocate_bits is not None:
             chosen = allocate_bits(model, config, batches)
             config.module_bits = {**{f"^{re.escape(name)}$": bits for name, bits in chosen.items()},
