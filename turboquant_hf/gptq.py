@@ -122,6 +122,24 @@ class _Grid:
         return torch.searchsorted(self.boundaries, y.contiguous())
 
 
+class _OneThreadOnCPU:
+    """Runs the sweep with one torch thread on CPU: its thousands of small operations per weight gain nothing from
+    intra-op threads, and each one's fork and join waits for the slowest thread (milliseconds a call when another
+    process holds a core)."""
+
+    def __init__(self, device: torch.device):
+        self.active = device.type == "cpu" and torch.get_num_threads() > 1
+
+    def __enter__(self):
+        if self.active:
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.active:
+            torch.set_num_threads(self.threads)
+
+
 def _sweep(w: torch.Tensor, upper: torch.Tensor, grid: _Grid, y0: torch.Tensor, n0: torch.Tensor,
            scales: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One error-feedback sweep over the rotated coordinates of `w` (rows, P), updated in place. Returns the indices
@@ -225,7 +243,8 @@ def gptq_rotated(weight: torch.Tensor, hessian: torch.Tensor, bits=3, group_size
     w_rot = (y0.view(rows, ng, group_size) * n0.unsqueeze(-1)).view(rows, padded)
     scales = None
     for sweep in range(sweeps):
-        index, used = _sweep(w_rot.clone(), upper, grid, y0, n0, scales, block_size)
+        with _OneThreadOnCPU(device):
+            index, used = _sweep(w_rot.clone(), upper, grid, y0, n0, scales, block_size)
         values = grid.codebook[index]
         last = sweep == sweeps - 1
         scales = used if last and not fit_norms else _fit_norms(w_rot, values, h, lam, used, group_size)
