@@ -246,3 +246,9 @@ def test_other_block_stacks_calibrate(kind):
     with torch.no_grad():
         out = [m(x)[0] for m in (model, calibrated, rtn)]
     assert (out[1] - out[0]).pow(2).mean() < 0.8 * (out[2] - out[0]).pow(2).mean()
+
+
+def test_unknown_option_refused_before_any_work(tiny_llama_dir):
+    cal = CalibrationConfig(data=_batches(), options={"sweep": 2})
+    with pytest.raises(ValueError, match="unknown option.*sweep"):
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(calibration=cal))

@@ -277,11 +277,12 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
     recorded in `config.calibrated_with`."""
     import re
 
-    from .calibration import calibrate_model, rtn_quantize
+    from .calibration import calibrate_model, resolve_options, rtn_quantize
     from .calibration_data import calibration_batches, describe
     from .config import CalibrationConfig
 
     cal = config.calibration if config.calibration is not None else CalibrationConfig()
+    resolve_options(cal.options)  # a bad option is reported before any work
     batches = calibration_batches(cal, model)
     if config.target_bits_per_weight is not None:
         try:
