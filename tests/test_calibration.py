@@ -252,3 +252,15 @@ def test_unknown_option_refused_before_any_work(tiny_llama_dir):
     cal = CalibrationConfig(data=_batches(), options={"sweep": 2})
     with pytest.raises(ValueError, match="unknown option.*sweep"):
         AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(calibration=cal))
+
+
+def test_round_to_nearest_after_loading_equals_quantizing_on_load(tiny_llama_dir):
+    """`rtn_quantize` (the deferred path without calibration) builds the model quantizing on load builds, byte for
+    byte."""
+    cfg = TurboQuantConfig(bits=3, module_bits={"down_proj": 4})
+    on_load = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, quantization_config=cfg)
+    after = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    rtn_quantize(after, planning.from_config(after, cfg))
+    a, b = on_load.state_dict(), after.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
