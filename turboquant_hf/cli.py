@@ -211,6 +211,13 @@ def cmd_quantize(args, argv) -> int:
 
     cfg, recipe = _quant_config(args)
     _calibration_from_args(args, cfg)
+    if getattr(args, "target_bits", None) is not None:
+        from .config import TurboQuantConfig
+
+        try:
+            cfg.target_bits_per_weight = TurboQuantConfig(target_bits_per_weight=args.target_bits).target_bits_per_weight
+        except ValueError as e:
+            raise CliError(str(e).replace("TurboQuantConfig: target_bits_per_weight", "--target-bits")) from e
     out = os.path.abspath(args.out)
     if os.path.exists(out) and not args.force:
         raise CliError(f"--out {args.out} already exists; choose another directory or pass --force to replace it")
@@ -221,6 +228,9 @@ def cmd_quantize(args, argv) -> int:
     if args.eval and not os.path.isfile(args.eval):
         raise CliError(f"--eval {args.eval}: no such file")
     streaming, why = _use_streaming(args)
+    if streaming and cfg.target_bits_per_weight is not None:
+        raise CliError(f"--target-bits: the streaming converter ({why}) cannot measure sensitivities; allocate bits "
+                       "with the model loaded whole (leave out --streaming, or raise --max-memory)")
     if streaming and cfg.calibration is not None:
         raise CliError(f"--calibration: the streaming converter ({why}) rounds to nearest only; calibrate with the "
                        "model loaded whole (leave out --streaming, or raise --max-memory)")

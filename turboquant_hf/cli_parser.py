@@ -109,6 +109,10 @@ def _quantize_parser(sub, fmt_cls) -> None:
                    help="calibration sequences (default 128)")
     c.add_argument("--calibration-length", type=int, default=512, metavar="T",
                    help="tokens per calibration sequence (default 512)")
+    c.add_argument("--target-bits", type=float, metavar="BITS",
+                   help="a budget in stored bits per quantized weight, group norms included (3-bit at G=128 is "
+                        "3.25, 4-bit 4.25): the layers where 4 bits pay most, measured on the calibration data, "
+                        "get them until the budget is met; written to module_bits in the checkpoint")
     g = p.add_argument_group("streaming conversion (a local safetensors folder, tensor by tensor, bounded memory)")
     g.add_argument("--streaming", action="store_true",
                    help="use the streaming converter whatever the model's size (default: only when the weights "

@@ -1,0 +1,130 @@
+"""Bit budgets: the accounting against the bytes written, the greedy allocation, user overrides, refusals, and a
+layer made sensitive on purpose getting the extra bits."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import tiny_llama_config
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from turboquant_hf import TurboQuantConfig, budget
+from turboquant_hf.config import CalibrationConfig
+
+
+def _batches(n=2, length=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (1, length), generator=g) for _ in range(n)]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config()).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    return model
+
+
+def test_stored_bits_per_weight_of_the_tiers():
+    assert budget.stored_bits(3, 1, 128, 128) / 128 == 3.25
+    assert budget.stored_bits(4, 1, 128, 128) / 128 == 4.25
+    assert budget.stored_bits(2, 1, 128, 128) / 128 == 2.25
+    assert budget.stored_bits(1.58, 1, 128, 128) / 128 == (26 * 8 + 16) / 128  # 5 trits a byte, float16 norms
+    assert budget.stored_bits(3, 2, 576, 128) == 2 * 5 * (48 + 4) * 8  # the last group padded
+
+
+def test_accounting_equals_the_saved_bytes_and_module_bits_reload(tiny_llama_dir, tmp_path):
+    cal = CalibrationConfig(data=_batches(), samples=2, sequence_length=32)
+    config = TurboQuantConfig(bits=3, calibration=cal, target_bits_per_weight=3.7)
+    q = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, quantization_config=config)
+    saved_bits = q.config.quantization_config.module_bits
+    assert any(b == 4 for b in saved_bits.values()) and any(b == 3 for b in saved_bits.values())
+    assert all(p.startswith("^") and p.endswith("$") for p in saved_bits)
+    q.save_pretrained(tmp_path)
+    stored = 0
+    with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as f:
+        for key in f.keys():  # noqa: SIM118  (safe_open is not iterable)
+            if key.endswith((".tq_packed", ".tq_norms")):
+                t = f.get_tensor(key)
+                stored += t.numel() * t.element_size() * 8
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    plain = TurboQuantConfig(bits=3, module_bits=saved_bits)
+    linears, _ = budget.quantized_tensors(base, plain)
+    weights = sum(r * c for r, c in linears.values())
+    assert stored / weights == budget.bits_per_weight(base, plain) <= 3.7
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["module_bits"] == saved_bits
+    with open(os.path.join(tmp_path, "tq_config.json")) as f:
+        assert json.load(f)["module_bits"] == saved_bits
+    ids = _batches(1, 16, seed=5)[0]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert torch.equal(again(ids).logits, q(ids).logits)
+
+
+@pytest.mark.parametrize("target", [3.6, 3.8, 4.3])
+def test_allocation_meets_the_budget_within_one_upgrade(target):
+    model = _model()
+    config = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=target)
+    chosen = budget.allocate_bits(model, config, _batches())
+    achieved = budget.bits_per_weight(model, config, chosen)
+    assert achieved <= target + 1e-12
+    linears, _ = budget.quantized_tensors(model, config)
+    total = sum(r * c for r, c in linears.values())
+    left = (target - achieved) * total
+    for name, bits in chosen.items():  # every upgrade not taken would overrun the budget
+        if bits == 3:
+            extra = budget.stored_bits(4, *linears[name], 64) - budget.stored_bits(3, *linears[name], 64)
+            assert extra > left
+    assert set(chosen) == set(linears)
+
+
+def test_user_module_bits_stay_fixed():
+    model = _model()
+    fixed = r"layers\.0\.mlp\.down_proj$"
+    config = TurboQuantConfig(bits=3, group_size=64, module_bits={fixed: 2}, target_bits_per_weight=3.8)
+    chosen = budget.allocate_bits(model, config, _batches(), measure="energy")
+    assert "model.layers.0.mlp.down_proj" not in chosen and len(chosen) == 13
+    assert budget.bits_per_weight(model, config, chosen) <= 3.8
+    # the fixed 2-bit tensor leaves room for more upgrades than without it
+    free = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=3.8)
+    other = budget.allocate_bits(model, free, _batches(), measure="energy")
+    assert sum(b == 4 for b in chosen.values()) > sum(b == 4 for b in other.values())
+
+
+def test_budget_out_of_reach_is_refused_with_both_bounds():
+    model = _model()
+    low, high = (budget.bits_per_weight(model, TurboQuantConfig(bits=b, group_size=64)) for b in (3, 4))
+    for target in (low - 0.01, high + 0.01):
+        config = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=target)
+        with pytest.raises(ValueError, match=rf"cheapest assignment stores {low:.4f}.*dearest {high:.4f}"):
+            budget.allocate_bits(model, config, _batches())
+    config = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=low)
+    assert set(budget.allocate_bits(model, config, _batches()).values()) == {3}
+    with pytest.raises(ValueError, match="sensitivity measure must be one of"):
+        budget.sensitivities(model, config, _batches(), measure="hessian")
+
+
+def test_a_layer_made_sensitive_gets_the_bits():
+    model = _model()
+    sensitive = "model.layers.0.self_attn.v_proj"
+    with torch.no_grad():
+        model.get_submodule(sensitive).weight.mul_(30)  # its output, and its rounding error, dominate the stream
+    config = TurboQuantConfig(bits=3, group_size=64)
+    target = budget.bits_per_weight(model, config, {sensitive: 4})
+    config.target_bits_per_weight = target
+    chosen = budget.allocate_bits(model, config, _batches(), measure="fisher")
+    assert chosen[sensitive] == 4
+    assert budget.bits_per_weight(model, config, chosen) <= target
+    weights = budget.sensitivities(model, config, _batches(), "weight", names=[sensitive])[sensitive]
+    assert weights[3] > weights[4] > 0
+
+
+def test_cli_target_bits_is_parsed():
+    from turboquant_hf.cli_parser import build_parser
+
+    args = build_parser().parse_args(["quantize", "src", "--out", "o", "--target-bits", "3.6"])
+    assert args.target_bits == 3.6
