@@ -97,15 +97,24 @@ def test_user_module_bits_stay_fixed():
 
 def test_budget_out_of_reach_is_refused_with_both_bounds():
     model = _model()
-    low, high = (budget.bits_per_weight(model, TurboQuantConfig(bits=b, group_size=64)) for b in (3, 4))
-    for target in (low - 0.01, high + 0.01):
+    two, three, four = (budget.bits_per_weight(model, TurboQuantConfig(bits=b, group_size=64)) for b in (2, 3, 4))
+    for target, low, kw in ((two - 0.01, two, {}), (three - 0.01, three, {"allow_lower": False}),
+                            (four + 0.01, three, {})):
         config = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=target)
-        with pytest.raises(ValueError, match=rf"cheapest assignment stores {low:.4f}.*dearest {high:.4f}"):
-            budget.allocate_bits(model, config, _batches())
-    config = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=low)
+        with pytest.raises(ValueError, match=rf"cheapest assignment stores {low:.4f}.*dearest {four:.4f}"):
+            budget.allocate_bits(model, config, _batches(), **kw)
+    config = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=three)
     assert set(budget.allocate_bits(model, config, _batches()).values()) == {3}
     with pytest.raises(ValueError, match="sensitivity measure must be one of"):
         budget.sensitivities(model, config, _batches(), measure="hessian")
+
+
+def test_a_target_below_the_config_bits_lowers_some_tensors():
+    model = _model()
+    three = budget.bits_per_weight(model, TurboQuantConfig(bits=3, group_size=64))
+    config = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=three - 0.3)
+    chosen = budget.allocate_bits(model, config, _batches())
+    assert 2 in chosen.values() and three - 0.3 - 0.2 < budget.bits_per_weight(model, config, chosen) <= three - 0.3
 
 
 def test_a_layer_made_sensitive_gets_the_bits():

@@ -19,6 +19,10 @@ Sensitivity measures (`MEASURES`):
   * "weight": `||dW||_F^2`, weight-only (no data);
   * "kl": the measured mean KL(base || quantized) of the final logits with that tensor alone rounded at each
     width (one forward per tensor and width: the ground truth the others are judged against; expensive).
+
+"fisher" is the default: on SmolLM2-135M it gives the lowest held-out KL of the four at every budget measured
+(benchmarks/BUDGET.md). The widths are the config's bits and 4, and 2 when the target is below what the config's
+bits alone cost (a downgrade is then needed).
 """
 
 from __future__ import annotations
@@ -266,13 +270,19 @@ def greedy(costs: dict[str, dict], losses: dict[str, dict], available: float) ->
 
 
 def allocate_bits(model: nn.Module, config, batches, measure: str = DEFAULT_MEASURE, widths=None,
-                  allow_lower: bool = False) -> dict[str, object]:
+                  allow_lower: bool | None = None) -> dict[str, object]:
     """{Linear name: bits} for the free Linears of the plan of `config` on the float `model`, meeting
     `config.target_bits_per_weight` (stored bits per quantized weight, norms included, over every tensor the plan
     quantizes; module docstring) exactly or below it by less than one upgrade. Linears matched by a `module_bits`
     pattern of the user keep their bits and count at them. `batches`: (1, T) token tensors for the measure;
-    `measure`: one of `MEASURES`; `widths`: the candidate widths (default `default_widths(config, allow_lower)`)."""
-    widths = tuple(widths) if widths is not None else default_widths(config, allow_lower)
+    `measure`: one of `MEASURES`; `widths`: the candidate widths (default `default_widths(config, allow_lower)`;
+    `allow_lower=None`: 2 bits is a candidate only when the target is below the config's own widths' cost)."""
+    if widths is None:
+        if allow_lower is None:
+            target = config.target_bits_per_weight
+            allow_lower = target is not None and config.bits > 2 and target < bits_per_weight(model, config) - 1e-9
+        widths = default_widths(config, allow_lower)
+    widths = tuple(widths)
     accounting = _accounting(model, config, widths)
     if not accounting[0]:
         return {}
