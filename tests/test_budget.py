@@ -127,6 +127,7 @@ def test_a_layer_made_sensitive_gets_the_bits():
     config.target_bits_per_weight = target
     chosen = budget.allocate_bits(model, config, _batches(), measure="fisher")
     assert chosen[sensitive] == 4
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # nothing left behind
     assert budget.bits_per_weight(model, config, chosen) <= target
     weights = budget.sensitivities(model, config, _batches(), "weight", names=[sensitive])[sensitive]
     assert weights[3] > weights[4] > 0

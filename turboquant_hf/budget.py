@@ -149,7 +149,12 @@ def collect_statistics(model: nn.Module, names, batches, gradients: bool = True)
         if gradients:
             handles.append(module.register_forward_hook(out_hook(name)))
     device = _device(model)
-    params = [p for p in model.parameters() if p.requires_grad]
+    # gradients flow from the embeddings' output, none into the parameters (no parameter gradient is stored)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if gradients:
+        for p in trainable:
+            p.requires_grad_(False)
+        handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
     tokens = 0
     try:
         for batch in batches:
@@ -160,14 +165,19 @@ def collect_statistics(model: nn.Module, names, batches, gradients: bool = True)
                     logits = model(input_ids=ids, use_cache=False).logits
                     loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
                     loss.backward()
-                for p in params:
-                    p.grad = None
             else:
                 with torch.no_grad():
                     model(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
+        if gradients:
+            for p in trainable:
+                p.requires_grad_(True)
+    missing = [n for n in names if n not in hessians or (gradients and n not in grads)]
+    if missing:
+        raise RuntimeError(f"budget: the forward over the batches did not reach {', '.join(missing[:3])}"
+                           f"{' ...' if len(missing) > 3 else ''} (no input or output gradient recorded)")
     return hessians, grads, tokens
 
 
