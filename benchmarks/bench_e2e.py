@@ -1,7 +1,7 @@
-"""The MoE layer and end-to-end batch-1 decode on one CUDA GPU: bf16 against TurboQuant, same run.
+"""The MoE layer and end-to-end decode on one CUDA GPU: bf16 against TurboQuant, same run.
 
     python benchmarks/bench_e2e.py --md E2E.md --json e2e.json [--models llama8b qwen36] [--skip-moe]
-                                   [--moe-tokens 1 2048] [--compile llama8b]
+                                   [--moe-tokens 1 2048] [--compile llama8b] [--batch 1 8 32]
     python benchmarks/bench_e2e.py --profile-moe     # where the MoE layer's time goes at 2048 tokens
     python benchmarks/bench_e2e.py --skip-moe --models llama8b qwen36 --prefill 512 2048   # also prompt processing
 
@@ -230,7 +230,7 @@ def build(config, cls_name: str, recipe: str | None):
 
 
 def _eager_tps(model, ids, steps: int) -> float:
-    """Tokens/s of plain eager decoding (a DynamicCache, one forward per token): what `generate` does without
+    """Tokens/s (over the whole batch) of plain eager decoding (a DynamicCache, one forward per token): what `generate` does without
     graphs or compilation, host overhead included."""
     out = model(input_ids=ids, use_cache=True)
     past = out.past_key_values
@@ -242,12 +242,12 @@ def _eager_tps(model, ids, steps: int) -> float:
         past = out.past_key_values
         tok = out.logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
-    return steps / (time.perf_counter() - t)
+    return ids.shape[0] * steps / (time.perf_counter() - t)
 
 
 def _graph_tps(model, forward, ids, steps: int, prompt: int) -> float:
-    """Tokens/s of decode steps `forward(...)` (the model's own forward, or a compiled one) captured once in a
-    CUDA graph over a StaticCache and replayed, the argmax fed back."""
+    """Tokens/s (over the whole batch) of decode steps `forward(...)` (the model's own forward, or a compiled
+    one) captured once in a CUDA graph over a StaticCache and replayed, the argmax fed back."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=prompt + steps + 8)
@@ -277,17 +277,19 @@ def _graph_tps(model, forward, ids, steps: int, prompt: int) -> float:
         graph.replay()
         static_ids.copy_(logits[:, -1:].argmax(-1))
     torch.cuda.synchronize()
-    tps = steps / (time.perf_counter() - t)
+    tps = ids.shape[0] * steps / (time.perf_counter() - t)
     del graph, cache
     return tps
 
 
-def decode_tps(model, steps: int = 64, prompt: int = 16, compile: bool = False) -> list[dict]:
-    """Decode tokens/s, one row per mode: a captured CUDA-graph step replayed; with `compile`, the same with
-    the forward compiled by `torch.compile(fullgraph=True)` first (inductor fuses the norms, rotary embedding
-    and residual adds around the linears); then plain eager decoding."""
+def decode_tps(model, steps: int = 64, prompt: int = 16, compile: bool = False, batch: int = 1) -> list[dict]:
+    """Decode tokens/s over `batch` sequences decoded together, one row per mode: a captured CUDA-graph step
+    replayed; with `compile`, the same with the forward compiled by `torch.compile(fullgraph=True)` first
+    (inductor fuses the norms, rotary embedding and residual adds around the linears); then plain eager
+    decoding."""
     vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, prompt), device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    ids = torch.randint(0, vocab, (batch, prompt), device=DEV,
+                        generator=torch.Generator(device=DEV).manual_seed(1))
     rows = []
     modes = [("CUDA graph", lambda: model.forward)]
     if compile:
@@ -303,6 +305,8 @@ def decode_tps(model, steps: int = 64, prompt: int = 16, compile: bool = False) 
                 rows.append(dict(mode=mode, tokens_per_s=float("nan"), graph_error=repr(exc)[:300]))
             torch.cuda.synchronize()
         rows.append(dict(mode="eager", tokens_per_s=_eager_tps(model, ids, steps)))
+    for r in rows:
+        r["batch"] = batch
     return rows
 
 
@@ -332,7 +336,7 @@ def prefill_tps(model, tokens: int, reps: int = 10) -> list[dict]:
 
 
 def bench_model(key: str, recipes: list[str], compile: bool = False, fuse: bool = False,
-                prefill=(), decode: bool = True) -> list[dict]:
+                prefill=(), decode: bool = True, batches=(1,)) -> list[dict]:
     label, make_config, cls_name = MODELS[key]
     rows = []
     results = {}
@@ -343,15 +347,17 @@ def bench_model(key: str, recipes: list[str], compile: bool = False, fuse: bool 
         model = build(make_config(), cls_name, recipe)
         fused = fuse_projections(model) if fuse_it else 0
         nbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-        timed = decode_tps(model, compile=compile) if decode else []
+        timed = []
+        for b in batches if decode else ():
+            timed += decode_tps(model, compile=compile, batch=b)
         for n in prefill:
             timed += prefill_tps(model, n)
         for r in timed:
             r.update(model=label, recipe=(recipe or "bf16") + (" (fused q/k/v, gate/up)" if fused else ""),
                      GB=nbytes / 1e9, fused_groups=fused)
-            results[recipe, r["mode"]] = r
+            results[recipe, r["mode"], r.get("batch", 1)] = r
             if recipe:
-                r["ratio"] = r["tokens_per_s"] / results[None, r["mode"]]["tokens_per_s"]
+                r["ratio"] = r["tokens_per_s"] / results[None, r["mode"], r.get("batch", 1)]["tokens_per_s"]
             print(json.dumps(r), flush=True)
             rows.append(r)
         del model
@@ -400,16 +406,18 @@ def markdown(env: dict, moe: list[dict], e2e: list[dict], command: str) -> str:
                        f"{r['ratio']:.2f} | {r.get('ratio_grouped', nan):.2f} | {r.get('ratio_graph_grouped', nan):.2f} | "
                        f"{r.get('ratio_graphs', nan):.2f} | {r['rel_vs_bf16']:.3f} |")
         out.append("")
-    for phase, title, unit in (("decode", "## Decode, batch 1 (16-token prompt, 64 new tokens)", "tokens/s"),
+    for phase, title, unit in (("decode", "## Decode (16-token prompt, 64 new tokens; tokens/s over the batch)",
+                                "tokens/s"),
                                ("prefill", "## Prefill, batch 1 (one forward over the prompt, last logits only)",
                                 "prompt tokens/s")):
         rows = [r for r in e2e if r.get("phase", "decode") == phase]
         if not rows:
             continue
-        out += [title, "", f"| model | weights | GB | mode | {unit} | ratio vs bf16 |", "|---|---|---:|---|---:|---:|"]
+        out += [title, "", f"| model | weights | GB | batch | mode | {unit} | ratio vs bf16 |",
+                "|---|---|---:|---:|---|---:|---:|"]
         for r in rows:
-            out.append(f"| {r['model']} | {r['recipe']} | {r['GB']:.2f} | {r['mode']} | {r['tokens_per_s']:.1f} | "
-                       f"{r.get('ratio', 1.0):.2f} |")
+            out.append(f"| {r['model']} | {r['recipe']} | {r['GB']:.2f} | {r.get('batch', 1)} | {r['mode']} | "
+                       f"{r['tokens_per_s']:.1f} | {r.get('ratio', 1.0):.2f} |")
         for r in rows:
             if "graph_error" in r:
                 out.append(f"\n- {r['model']} {r['recipe']} ({r['mode']}): failed ({r['graph_error']})")
@@ -433,6 +441,8 @@ def main() -> int:
     ap.add_argument("--prefill", nargs="*", type=int, default=[], metavar="N",
                     help="also time prompt processing of N tokens per model and recipe (batch 1)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode rows (with --prefill: prefill only)")
+    ap.add_argument("--batch", nargs="+", type=int, default=[1], metavar="B",
+                    help="decode these numbers of sequences together (default: 1)")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -446,7 +456,7 @@ def main() -> int:
     for key in args.models:
         recipes = args.recipes if key != "qwen36" else sorted(set(args.recipes) | {"tq3", "tq3a-tqTe"})
         e2e += bench_model(key, recipes, compile=key in args.compile, fuse=args.fuse, prefill=args.prefill,
-                           decode=not args.no_decode)
+                           decode=not args.no_decode, batches=args.batch)
     md = markdown(env, moe, e2e, "python " + " ".join(sys.argv))
     print(md)
     if args.md:
