@@ -110,6 +110,23 @@ def applied(model, method: str) -> str | None:
     return None
 
 
+def quantized(row: dict, cls, base_dir: str, config, direct: bool):
+    """The model quantized by `config`, or None with `row["skipped"]` saying why (a method this installation lacks,
+    or one it did not apply: reported, the other rows still run); `row["quantize_s"]` the time it took."""
+    t = time.perf_counter()
+    try:
+        model = load(cls, base_dir, config, direct)
+    except Exception as e:  # noqa: BLE001
+        row["skipped"] = f"{type(e).__name__}: {e}"
+        return None
+    row["quantize_s"] = round(time.perf_counter() - t, 1)
+    why = applied(model, row["method"])
+    if why:
+        row["skipped"] = why
+        return None
+    return model
+
+
 def causal_rows(key: str, args) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,20 +141,9 @@ def causal_rows(key: str, args) -> list[dict]:
         plan.append((BUDGET, "budget"))
     for bits, method in plan:
         row = {"model": name, "bits": bits, "method": method}
-        t = time.perf_counter()
-        try:
-            model = load(AutoModelForCausalLM, base_dir, quant_config(method, bits, args, args.sequence_length),
-                         args.direct)
-        except Exception as e:  # noqa: BLE001  (a method this installation lacks: reported, the others still run)
-            row["skipped"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
-            print(row, flush=True)
-            continue
-        row["quantize_s"] = round(time.perf_counter() - t, 1)
-        why = applied(model, method)
-        if why:
-            row["skipped"] = why
-        else:
+        model = quantized(row, AutoModelForCausalLM, base_dir, quant_config(method, bits, args, args.sequence_length),
+                          args.direct)
+        if model is not None:
             report = compare_on_text(base, model.eval(), ids)
             row.update(report.as_dict())
             qc = model.config.quantization_config
@@ -180,19 +186,8 @@ def encoder_rows(args) -> list[dict]:
     for bits in args.bits:
         for method in [m for m in args.methods if m in ("rtn", "text")]:
             row = {"model": name, "bits": bits, "method": method, "sentences": len(texts)}
-            t = time.perf_counter()
-            try:
-                model = load(AutoModel, base_dir, quant_config(method, bits, args, 128), args.direct)
-            except Exception as e:  # noqa: BLE001
-                row["skipped"] = f"{type(e).__name__}: {e}"
-                rows.append(row)
-                print(row, flush=True)
-                continue
-            row["quantize_s"] = round(time.perf_counter() - t, 1)
-            why = applied(model, method)
-            if why:
-                row["skipped"] = why
-            else:
+            model = quantized(row, AutoModel, base_dir, quant_config(method, bits, args, 128), args.direct)
+            if model is not None:
                 cos = (embed(model.eval(), tok, texts) * reference).sum(-1)
                 row.update(mean_cosine=cos.mean().item(), min_cosine=cos.min().item(),
                            calibrated_with=getattr(model.config.quantization_config, "calibrated_with", None))

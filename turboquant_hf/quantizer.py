@@ -285,16 +285,11 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
     resolve_options(cal.options)  # a bad option is reported before any work
     batches = calibration_batches(cal, model)
     if config.target_bits_per_weight is not None:
-        try:
-            from .budget import allocate_bits
-        except ImportError:
-            allocate_bits = None
-            logger.warning("TurboQuant: target_bits_per_weight needs turboquant_hf.budget, which this installation "
-                           "lacks; every module keeps the bits of the config")
-        if allocate_bits is not None:
-            chosen = allocate_bits(model, config, batches)
-            config.module_bits = {**{f"^{re.escape(name)}$": bits for name, bits in chosen.items()},
-                                  **{k: v for k, v in config.module_bits.items()}}
+        from .budget import allocate_bits
+
+        chosen = allocate_bits(model, config, batches)
+        config.module_bits = {**{f"^{re.escape(name)}$": bits for name, bits in chosen.items()},
+                              **config.module_bits}
     record = describe(cal, batches)
     if config.calibration is not None:
         summary = calibrate_model(model, config, batches)
