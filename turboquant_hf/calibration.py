@@ -80,9 +80,12 @@ def find_block_stack(model: nn.Module, plan: planning.Plan) -> tuple[str, nn.Mod
     return best
 
 
-def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches) -> tuple[list, list[list]]:
+def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches,
+                         run_blocks: bool = True) -> tuple[list, list[list]]:
     """(hidden, calls): the first block's hidden states per batch, and per block per batch its (args without the
-    hidden states, kwargs, whether the hidden states were passed by keyword)."""
+    hidden states, kwargs, whether the hidden states were passed by keyword). `run_blocks=False`: every block
+    passes its hidden states through unchanged instead of running (its weights need not be loaded: the streaming
+    driver), which records the same calls wherever a block's arguments do not depend on the blocks before it."""
     device = _model_device(model)
     calls: list[list] = [[] for _ in blocks]
     hidden: list = []
@@ -100,6 +103,9 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches) -> tu
         return record
 
     handles = [b.register_forward_pre_hook(hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    if not run_blocks:
+        for b in blocks:
+            b.forward = _pass_through
     try:
         for batch in batches:
             try:
@@ -109,9 +115,16 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches) -> tu
     finally:
         for h in handles:
             h.remove()
+        if not run_blocks:
+            for b in blocks:
+                del b.forward
     if len(hidden) != len(batches) or any(len(c) > len(batches) for c in calls):
         raise RuntimeError("calibration: the forward did not pass through the blocks once per batch")
     return hidden, calls
+
+
+def _pass_through(*args, **kwargs):
+    return kwargs["hidden_states"] if not args else args[0]
 
 
 def _run_block(block, hs, call):
@@ -293,9 +306,7 @@ def calibrate_model(model: nn.Module, config, batches, progress=None) -> dict:
     seconds)."""
     if not batches:
         raise ValueError("calibration needs at least one batch of token ids")
-    cal = config.calibration
-    damping = cal.damping if cal is not None else 0.01
-    options = resolve_options(cal.options if cal is not None else None)
+    damping, options = settings(config.calibration)
     start = time.perf_counter()
     plan = planning.from_config(model, config)
     found = find_block_stack(model, plan)
@@ -305,29 +316,63 @@ def calibrate_model(model: nn.Module, config, batches, progress=None) -> dict:
     if found is not None:
         stack_name, blocks = found
         hidden, calls = capture_block_inputs(model, blocks, batches)
-        for i, block in enumerate(blocks):
-            if len(calls[i]) != len(batches):  # a block the forward does not run (their modules: round-to-nearest)
-                break
-            prefix = f"{stack_name}.{i}."
-            linears = {n: p for n, p in plan.linears.items() if n.startswith(prefix)}
-            experts = {n: p for n, p in plan.experts.items() if n.startswith(prefix)}
-            _calibrate_block(model, block, hidden, calls[i], linears, experts, damping, options)
-            for n in list(linears) + list(experts):
-                plan.linears.pop(n, None)
-                plan.experts.pop(n, None)
-            if i + 1 < len(blocks) and len(calls[i + 1]) == len(batches):
-                hidden = [_run_block(block, hs, call) for hs, call in zip(hidden, calls[i])]
-            blocks_done += 1
-            if progress is not None:
-                progress(i + 1, len(blocks))
+        blocks_done = calibrate_blocks(model, plan, stack_name, hidden, calls, damping, options, progress=progress)
         del hidden, calls
     rtn_quantize(model, plan)  # planned modules outside the stack
     model.train(was_training)
-    return {"method": METHOD, "blocks": blocks_done, "seconds": time.perf_counter() - start,
-            "damping": damping, "options": {k: v for k, v in options.items() if v != OPTIONS[k]}}
+    return {"method": METHOD, "blocks": blocks_done, "seconds": time.perf_counter() - start, **record_settings(
+        config.calibration)}
 
 
-def _calibrate_block(model, block, hidden, calls, linears: dict, experts: dict, damping, options) -> None:
+def settings(cal) -> tuple[float, dict]:
+    """(damping, every rounding option) of a `CalibrationConfig` (None: the defaults)."""
+    return (cal.damping if cal is not None else 0.01), resolve_options(cal.options if cal is not None else None)
+
+
+def record_settings(cal) -> dict:
+    """The settings a `calibrated_with` record names: damping, and the options that differ from the defaults."""
+    damping, options = settings(cal)
+    return {"damping": damping, "options": {k: v for k, v in options.items() if v != OPTIONS[k]}}
+
+
+def calibrate_blocks(model: nn.Module, plan: planning.Plan, stack_name: str, hidden: list, calls: list,
+                     damping: float, options: dict, onload=None, offload=None, progress=None) -> int:
+    """The pass over the block stack that both drivers share (`calibrate_model`, and the streaming converter's,
+    which holds one block's weights at a time). For each block the forward ran once per batch, in order:
+    `onload(i, block)` (the streaming driver loads the block's weights), `calibrate_block`, the block run again on
+    its quantized weights to give the next block its inputs, `offload(i, block, results)` (the streaming driver
+    writes the results and frees the block), `progress(i + 1, n)`. `hidden`: the first block's inputs per batch,
+    `calls`: each block's recorded calls (`capture_block_inputs`). The modules done are removed from `plan`;
+    returns the number of blocks done."""
+    blocks = model.get_submodule(stack_name)
+    n_batches = len(hidden)
+    done = 0
+    for i, block in enumerate(blocks):
+        if len(calls[i]) != n_batches:  # a block the forward does not run (its modules: round-to-nearest)
+            break
+        if onload is not None:
+            onload(i, block)
+        prefix = f"{stack_name}.{i}."
+        linears = {n: p for n, p in plan.linears.items() if n.startswith(prefix)}
+        experts = {n: p for n, p in plan.experts.items() if n.startswith(prefix)}
+        results = calibrate_block(model, block, hidden, calls[i], linears, experts, damping, options)
+        for n in list(linears) + list(experts):
+            plan.linears.pop(n, None)
+            plan.experts.pop(n, None)
+        if i + 1 < len(blocks) and len(calls[i + 1]) == n_batches:
+            hidden = [_run_block(block, hs, call) for hs, call in zip(hidden, calls[i])]
+        if offload is not None:
+            offload(i, block, results)
+        done += 1
+        if progress is not None:
+            progress(i + 1, len(blocks))
+    return done
+
+
+def calibrate_block(model, block, hidden, calls, linears: dict, experts: dict, damping, options) -> dict:
+    """Calibrate the planned modules of one block (`linears`: {name: LinearPlan}, `experts`: {name: ExpertsPlan})
+    on its inputs, quantize them and install the TurboQuant modules in `model`. Returns {Linear name: (packed,
+    norms)} and {experts name: ((gate_up packed, norms), (down packed, norms))}, norms float32."""
     modules = {n: model.get_submodule(n) for n in linears}
     experts_modules = {n: (model.get_submodule(n), p.activation) for n, p in experts.items()}
     acc = collect_input_hessians(block, hidden, calls, modules, experts_modules)
@@ -349,16 +394,16 @@ def _calibrate_block(model, block, hidden, calls, linears: dict, experts: dict, 
             rows = w.shape[0]
             results[name] = (packed[row * n_groups:(row + rows) * n_groups].clone(), norms[row:row + rows].clone())
             row += rows
-    experts_results = {n: _quantize_experts(experts_modules[n][0], acc.expert_hessians[n], p, damping, options)
-                       for n, p in experts.items() if n in acc.expert_hessians}
+    for n, p in experts.items():
+        module = experts_modules[n][0]
+        if n in acc.expert_hessians:
+            results[n] = _quantize_experts(module, acc.expert_hessians[n], p, damping, options)
+        else:  # never reached by a token
+            results[n] = (codec.quantize_weight(module.gate_up_proj.detach(), p.gate_up_bits, p.group_size),
+                          codec.quantize_weight(module.down_proj.detach(), p.down_bits, p.group_size))
     del acc
     for name, p in linears.items():
         _install_linear(model, name, p, *results[name])
     for name, p in experts.items():
-        if name in experts_results:
-            _install_experts(model, name, p, *experts_results[name])
-        else:  # never reached by a token
-            m = model.get_submodule(name)
-            _install_experts(model, name, p, codec.quantize_weight(m.gate_up_proj.detach(), p.gate_up_bits,
-                                                                   p.group_size),
-                             codec.quantize_weight(m.down_proj.detach(), p.down_bits, p.group_size))
+        _install_experts(model, name, p, *results[name])
+    return results
