@@ -107,6 +107,12 @@ def check_loaded_keys(model, loading_info) -> None:
     if quantizer is None:
         return
     quantizer.raise_conversion_failures()
+    from .tensor_parallel import deferred_keys
+
+    deferred = deferred_keys(model, quantizer.checkpoint_index)  # tensor-parallel slices read after loading
+    if deferred:
+        loading_info.unexpected_keys.difference_update(deferred)
+        unexpected = [k for k in unexpected if k not in deferred]
     if unexpected:
         raise CheckpointError(
             f"{where}: {len(unexpected)} TurboQuant tensor(s) match no quantized layer of this class "

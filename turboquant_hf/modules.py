@@ -98,10 +98,14 @@ class TurboQuantWeight(nn.Module):
         # The source is stored `(in, out)` (GPT-2's `Conv1D`): transposed before it is quantized.
         self.source_transposed = False
 
+    # `tensor_parallel.ShardSpec` when this holds one tensor-parallel rank's slice of the weight
+    tp_shard = None
+
     @property
     def checkpoint_shape(self) -> tuple:
-        """The shape of the full-precision tensor in a checkpoint."""
-        return self.source_shape[::-1] if self.source_transposed else self.source_shape
+        """The shape of the full-precision tensor in a checkpoint (the whole weight's, for a tensor-parallel slice)."""
+        shape = self.tp_shard.full_shape if self.tp_shard is not None else self.source_shape
+        return shape[::-1] if self.source_transposed else shape
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -112,6 +116,10 @@ class TurboQuantWeight(nn.Module):
                 destination[prefix + name] = own_storage(destination[prefix + name])
         if self.awaiting_dtype is not None:
             destination[prefix[:-1]] = torch.empty(self.checkpoint_shape, dtype=self.awaiting_dtype, device="meta")
+        elif self.tp_shard is not None and self.tq_packed.is_meta:
+            # one rank's slice of a pre-quantized checkpoint: `tensor_parallel.load_shards` reads it, not the loader
+            destination.pop(prefix + "tq_packed", None)
+            destination.pop(prefix + "tq_norms", None)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         runtime = layout.is_runtime(self.tq_packed)

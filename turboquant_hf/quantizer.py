@@ -12,7 +12,7 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
-from . import mlx, planning, saving, settings
+from . import mlx, planning, saving, settings, tensor_parallel
 from .config import TurboQuantConfig
 from .fusion import fuse_projections
 from .modules import TurboQuantExperts, TurboQuantWeight, to_norms_dtype
@@ -44,6 +44,7 @@ class QuantizeOnLoad(ConversionOps):
                     f"{target.checkpoint_shape}"
                 )
                 continue
+            value = tensor_parallel.local_source(target, value)  # one rank's slice under tensor parallelism
             if target.source_transposed:
                 value = value.t()
             try:
@@ -128,6 +129,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         plan.apply(model, awaiting_weights=not self.pre_quantized)
         if not self.pre_quantized:
             _resolve_placeholders_while_loading(model)
+        tensor_parallel.route_parallel_plans(model)
         model._turboquant_original_model = getattr(model.config, "_name_or_path", None)
 
     def _prepare_mlx_checkpoint(self, model) -> None:
@@ -183,6 +185,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         self.raise_conversion_failures()
         if self.deferred:
             quantize_after_loading(model, self.quantization_config)
+        tensor_parallel.load_shards(model, self.checkpoint_index)
         for name, module in model.named_modules():
             if isinstance(module, TurboQuantWeight) and module.awaiting_dtype is not None:
                 raise ckpt.CheckpointError(f"checkpoint is missing {name} (needed to quantize it)")

@@ -1,0 +1,361 @@
+"""Tensor parallelism for TurboQuant modules under transformers' tp plans (`from_pretrained(..., tp_plan="auto")`).
+
+transformers shards parameters as DTensors and wraps module forwards by the style names of the model's tp plan.
+TurboQuant weights are packed buffers of a child module, which those styles cannot split, so the quantizer routes
+the plan's entries through `TurboQuantStyle` (style names prefixed `turboquant:`): for an ordinary module it does
+exactly what transformers' style does; for a TurboQuant module it keeps this rank's slice of the packed rows and
+norms as plain tensors and computes with them:
+
+- column-wise (`colwise`, `colwise_rep`, `colwise_gather_output`): the output rows are split (packed rows and
+  norms together, `torch.chunk` sizes like transformers' `Shard(0)`); `*_rep` / `*_gather_output` gather the
+  output afterwards.
+- row-wise (`rowwise`, `rowwise_rep`, `rowwise_split_input`): the input width is split on group boundaries; a
+  split that would cut a group is refused (`TensorParallelError`, naming the layer and the sizes). The partial
+  products are summed across ranks (all-reduce), then the bias is added once.
+- fused MoE experts (`moe_tp_experts`, and every TurboQuant experts module the plan does not name): each expert's
+  intermediate width is split: its gate and up rows, and down's input width on group boundaries; the partial
+  outputs are summed across ranks.
+
+Each rank reads only its slice of a pre-quantized checkpoint (`load_shards`, byte ranges of the safetensors files
+through a memory map); quantizing on the fly, each rank quantizes only its slice of the full-precision tensor
+(`local_source`), which equals the same slice of the whole weight quantized (groups are independent).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import format as fmt
+from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight, group_linear
+
+STYLE_PREFIX = "turboquant:"
+COLUMN_STYLES = {"colwise": False, "colwise_rep": True, "colwise_gather_output": True}  # style: gathers the output
+ROW_STYLES = {"rowwise": False, "rowwise_rep": True, "rowwise_split_input": True}  # style: input is replicated
+EXPERT_STYLES = ("moe_tp_experts",)
+# styles a TurboQuant child weight may carry in a plan (`experts.gate_up_proj`): its experts module shards it
+CHILD_STYLES = ("packed_colwise", "rowwise", "colwise", "grouped_gemm")
+_TORCH_DTYPES = {"U8": torch.uint8, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class TensorParallelError(ValueError):
+    """A TurboQuant module cannot be split the way the tensor parallel plan asks."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """This rank's slice of a weight viewed as `(blocks, rows, in_features)` (blocks: experts, or 1 for a Linear):
+    the rows `row_ranges` (concatenated, in order) and the input columns `[col_start, col_stop)`."""
+
+    full_shape: tuple  # the whole weight's `source_shape`
+    row_ranges: tuple
+    col_start: int
+    col_stop: int
+
+    @property
+    def blocks(self) -> int:
+        return self.full_shape[0] if len(self.full_shape) == 3 else 1
+
+    def local_shape(self) -> tuple:
+        rows = sum(b - a for a, b in self.row_ranges)
+        shape = (rows, self.col_stop - self.col_start)
+        return (self.blocks, *shape) if len(self.full_shape) == 3 else shape
+
+
+def chunk_range(size: int, rank: int, world: int) -> tuple[int, int]:
+    """`[start, stop)` of rank `rank` when `size` is split like `torch.chunk` (ceil-sized pieces, the last shorter)."""
+    chunk = -(-size // world)
+    start = min(size, rank * chunk)
+    return start, min(size, start + chunk)
+
+
+def group_aligned_range(name: str, what: str, size: int, group_size: int, rank: int, world: int) -> tuple[int, int]:
+    """`chunk_range` of an input width that TurboQuant groups: refused when a split point falls inside a group."""
+    chunk = -(-size // world)
+    if world > 1 and chunk % group_size and chunk < size:
+        raise TensorParallelError(
+            f"TurboQuant: tensor parallel size {world} would cut a group of {name}: its {what} of {size} split into "
+            f"pieces of {chunk}, which is not a multiple of the group size {group_size}. Use a tensor parallel size "
+            f"that splits {size} into multiples of {group_size}, keep {name} unquantized (modules_to_not_convert), "
+            "or quantize with a group size that divides the split"
+        )
+    return chunk_range(size, rank, world)
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------------
+def route_parallel_plans(model: nn.Module) -> None:
+    """Route the model's tp plan through `TurboQuantStyle` and give every TurboQuant experts module the plan has no
+    entry for the intermediate split. Names the modules (for errors). Harmless when no tensor parallelism runs:
+    the plan is only read by transformers when it shards the model."""
+    plan = getattr(model, "_tp_plan", None)
+    if plan is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, (TurboQuantLinear, TurboQuantExperts)):
+            module.__dict__["_tq_name"] = name
+    for key, style in list(plan.items()):
+        if style in COLUMN_STYLES or style in ROW_STYLES or style in EXPERT_STYLES or style in CHILD_STYLES:
+            plan[key] = register_style(style)
+    patterns = [re.compile(re.escape(k).replace(r"\*", r"\d+") + "$") for k in plan]
+    for name, module in model.named_modules():
+        if isinstance(module, TurboQuantExperts) and not any(p.match(name) for p in patterns):
+            plan[re.sub(r"\.\d+\.", ".*.", name)] = register_style("moe_tp_experts")
+
+
+def register_style(style: str) -> str:
+    """Register `turboquant:<style>` with transformers (once) and return its name."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    name = STYLE_PREFIX + style
+    if name not in ALL_PARALLEL_STYLES:
+        original = ALL_PARALLEL_STYLES.get(style)
+        type(ALL_PARALLEL_STYLES).register(name, TurboQuantStyle(style, original))
+    return name
+
+
+class TurboQuantStyle:
+    """A transformers tensor parallel style for TurboQuant modules; other modules get the original style."""
+
+    def __init__(self, style: str, original):
+        self.style = style
+        self.original = original
+
+    def __getattr__(self, attr):
+        original = self.__dict__.get("original")
+        if original is None:
+            raise AttributeError(attr)
+        return getattr(original, attr)
+
+    def _owns(self, module) -> bool:
+        return isinstance(module, (TurboQuantLinear, TurboQuantExperts, TurboQuantWeight))
+
+    def validate_param(self, module, param, mesh, *args, **kwargs):
+        if self._owns(module) or self.original is None:
+            return None
+        return self.original.validate_param(module, param, mesh, *args, **kwargs)
+
+    def shard_param(self, module, param, mesh, *args, **kwargs):
+        if isinstance(module, TurboQuantLinear) and param == "bias":  # the bias splits like transformers' own
+            return self.original.shard_param(module, param, mesh, *args, **kwargs)
+        if self._owns(module) or self.original is None:
+            return None
+        return self.original.shard_param(module, param, mesh, *args, **kwargs)
+
+    def install_forward(self, module, mesh, *args, **kwargs):
+        if isinstance(module, TurboQuantWeight):
+            return module  # a child weight named by the plan: its experts module splits it
+        if isinstance(module, TurboQuantLinear):
+            return shard_linear_(module, self.style, mesh)
+        if isinstance(module, TurboQuantExperts):
+            if self.style not in EXPERT_STYLES:
+                raise TensorParallelError(f"TurboQuant: {_name(module)} (fused experts) has the tensor parallel "
+                                          f"style {self.style!r}; experts split only as {EXPERT_STYLES}")
+            return shard_experts_(module, mesh)
+        if self.original is None:
+            raise TensorParallelError(f"TurboQuant: tensor parallel style {self.style!r} is unknown to transformers")
+        return self.original.install_forward(module, mesh, *args, **kwargs)
+
+
+def _name(module) -> str:
+    return module.__dict__.get("_tq_name", type(module).__name__)
+
+
+def _mesh_info(mesh) -> tuple[int, int, object]:
+    group = mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
+# -- sharding modules -------------------------------------------------------------------------------------------------
+def _shard_weight_(owner: nn.Module, attr: str, spec: ShardSpec) -> TurboQuantWeight:
+    """Replace `owner.<attr>` by a TurboQuantWeight of this rank's slice (on the device of the whole one)."""
+    old: TurboQuantWeight = getattr(owner, attr)
+    if old.rotation != "groups":
+        raise TensorParallelError(f"TurboQuant: {_name(owner)}.{attr} uses a whole-row Hadamard rotation "
+                                  "(a turboquant-mlx checkpoint), which tensor parallelism cannot split")
+    new = TurboQuantWeight(spec.local_shape(), old.bits, old.group_size, device=old.tq_packed.device,
+                           norms_dtype=old.norms_dtype)
+    new.awaiting_dtype = old.awaiting_dtype
+    new.source_transposed = old.source_transposed
+    new.tp_shard = spec
+    setattr(owner, attr, new)
+    return new
+
+
+def shard_linear_(module: TurboQuantLinear, style: str, mesh) -> TurboQuantLinear:
+    """Keep this rank's slice of a TurboQuantLinear and wrap its forward for `style`."""
+    rank, world, group = _mesh_info(mesh)
+    w = module.weight
+    out_features, in_features = w.source_shape
+    name = _name(module)
+    if style in COLUMN_STYLES:
+        start, stop = chunk_range(out_features, rank, world)
+        spec = ShardSpec(w.source_shape, ((start, stop),), 0, in_features)
+    elif style in ROW_STYLES:
+        start, stop = group_aligned_range(name, "input width", in_features, w.group_size, rank, world)
+        spec = ShardSpec(w.source_shape, ((0, out_features),), start, stop)
+    else:
+        raise TensorParallelError(f"TurboQuant: {name} has the tensor parallel style {style!r}; quantized linear "
+                                  f"layers split as {sorted(COLUMN_STYLES) + sorted(ROW_STYLES)}")
+    _shard_weight_(module, "weight", spec)
+    column = style in COLUMN_STYLES
+    gather = COLUMN_STYLES.get(style, False)
+    replicated_input = ROW_STYLES.get(style, False)
+
+    def tp_forward(x, *args, **kwargs):
+        x = _local(x)
+        weight = module.weight
+        if not column and replicated_input:
+            x = x[..., spec.col_start:spec.col_stop]
+        bias = _local(module.bias) if module.bias is not None else None
+        y = group_linear(x, weight.tq_packed, weight.tq_norms, bias if column else None, weight.n_levels,
+                         weight.group_size, weight.in_features, weight.runtime_layout)
+        if column:
+            return _all_gather_last(y, out_features, group, world) if gather else y
+        dist.all_reduce(y, group=group)
+        return y if bias is None else y + bias.to(y.dtype)
+
+    module.forward = tp_forward
+    return module
+
+
+def shard_experts_(module: TurboQuantExperts, mesh) -> TurboQuantExperts:
+    """Split every expert's intermediate width across ranks: gate and up rows, and down's input columns."""
+    rank, world, group = _mesh_info(mesh)
+    if module.rotation != "groups":
+        raise TensorParallelError(f"TurboQuant: {_name(module)} uses a whole-row Hadamard rotation "
+                                  "(a turboquant-mlx checkpoint), which tensor parallelism cannot split")
+    e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
+    start, stop = group_aligned_range(_name(module), "intermediate width", i, module.down_proj.group_size, rank, world)
+    _shard_weight_(module, "gate_up_proj", ShardSpec((e, 2 * i, h), ((start, stop), (i + start, i + stop)), 0, h))
+    _shard_weight_(module, "down_proj", ShardSpec((e, h, i), ((0, h),), start, stop))
+    module.__dict__["tp_intermediate"] = (start, stop)
+    original = module.forward
+
+    def tp_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        y = original(_local(hidden_states), _local(top_k_index), _local(top_k_weights), *args, **kwargs)
+        dist.all_reduce(y, group=group)
+        return y
+
+    module.forward = tp_forward
+    return module
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(t, DTensor):
+        if any(not p.is_replicate() for p in t.placements):
+            t = t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
+        return t.to_local()
+    return t
+
+
+def _all_gather_last(y: torch.Tensor, size: int, group, world: int) -> torch.Tensor:
+    """The whole output from each rank's `chunk_range` slice of its last dimension."""
+    chunk = -(-size // world)
+    padded = torch.nn.functional.pad(y, (0, chunk - y.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat(parts, dim=-1)[..., :size]
+
+
+# -- loading -----------------------------------------------------------------------------------------------------------
+def sharded_weights(model: nn.Module) -> dict[str, TurboQuantWeight]:
+    """`{module name: weight}` of the TurboQuant weights holding one rank's slice."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, TurboQuantWeight) and getattr(m, "tp_shard", None) is not None}
+
+
+def local_source(target: TurboQuantWeight, value: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a full-precision checkpoint tensor for `target` (as stored: transposed for Conv1D);
+    the tensor unchanged when `target` holds a whole weight or the shape is not the whole weight's (the caller
+    reports that)."""
+    spec = getattr(target, "tp_shard", None)
+    if spec is None:
+        return value
+    full = spec.full_shape[::-1] if target.source_transposed else spec.full_shape
+    if tuple(value.shape) != tuple(full):
+        return value
+    v = value.t() if target.source_transposed else value
+    v = v.reshape(spec.blocks, *spec.full_shape[-2:])
+    v = torch.cat([v[:, a:b, spec.col_start:spec.col_stop] for a, b in spec.row_ranges], dim=1)
+    v = v.reshape(spec.local_shape())
+    return v.t().contiguous() if target.source_transposed else v.contiguous()
+
+
+def checkpoint_shape_of(target: TurboQuantWeight) -> tuple:
+    """The shape of the full-precision tensor `target` is quantized from, for the whole weight."""
+    spec = getattr(target, "tp_shard", None)
+    if spec is None:
+        return target.checkpoint_shape
+    return spec.full_shape[::-1] if target.source_transposed else spec.full_shape
+
+
+def checkpoint_key(name: str, index: dict) -> str | None:
+    """The checkpoint name of the weight module `name` (`X.weight`), allowing a different leading prefix
+    (`model.language_model.` for `model.`)."""
+    if name + fmt.PACKED_SUFFIX in index:
+        return name
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        tail = "." + ".".join(parts[i:]) + fmt.PACKED_SUFFIX
+        found = [k[: -len(fmt.PACKED_SUFFIX)] for k in index if k.endswith(tail)]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            return None
+    return None
+
+
+def _read_slices(info: dict, spec: ShardSpec, group_size: int, per_group: int) -> torch.Tensor:
+    """Read this rank's rows and groups of a stored `(blocks*rows*n_groups, per_group)` (packed) or
+    `(blocks*rows, n_groups)` (norms, per_group=1) tensor through a memory map: only those bytes are touched."""
+    dtype = _TORCH_DTYPES[info["dtype"]]
+    item = torch.empty((), dtype=dtype).element_size()
+    blocks, rows, in_features = spec.blocks, *spec.full_shape[-2:]
+    n_groups = -(-in_features // group_size)
+    g0, g1 = spec.col_start // group_size, -(-spec.col_stop // group_size)
+    raw = np.memmap(info["file"], dtype=np.uint8, mode="r", offset=info["start"],
+                    shape=(blocks, rows, n_groups, per_group * item))
+    parts = [np.ascontiguousarray(raw[:, a:b, g0:g1]) for a, b in spec.row_ranges]
+    out = torch.from_numpy(np.concatenate(parts, axis=1)).view(dtype)
+    del raw
+    return out.reshape(-1, per_group) if per_group > 1 else out.reshape(-1, g1 - g0)
+
+
+def load_shards(model: nn.Module, index: dict) -> None:
+    """Fill every sharded TurboQuant weight still on the meta device from a pre-quantized checkpoint."""
+    for name, w in sharded_weights(model).items():
+        if not w.tq_packed.is_meta:
+            continue
+        key = checkpoint_key(name, index)
+        if key is None:
+            raise TensorParallelError(f"TurboQuant: no {name}{fmt.PACKED_SUFFIX} (or one under another prefix) in "
+                                      "the checkpoint for this rank's shard")
+        spec = w.tp_shard
+        bpg = fmt.bytes_per_group(w.n_levels, w.group_size)
+        packed = _read_slices(index[key + fmt.PACKED_SUFFIX], spec, w.group_size, bpg)
+        norms = _read_slices(index[key + fmt.NORMS_SUFFIX], spec, w.group_size, 1)
+        w.tq_packed = packed
+        w.tq_norms = norms.to(w.norms_dtype)
+
+
+def deferred_keys(model: nn.Module, index: dict) -> set[str]:
+    """Checkpoint names of the packed tensors `load_shards` reads itself (the loader skips them)."""
+    keys = set()
+    for name, w in sharded_weights(model).items():
+        key = checkpoint_key(name, index) if w.awaiting_dtype is None else None
+        if key is not None:
+            keys.update({key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX})
+    return keys
+
+
+def resident_packed_bytes(model: nn.Module) -> int:
+    """Bytes of the packed indices and norms this process holds."""
+    return sum(m.tq_packed.numel() * m.tq_packed.element_size() + m.tq_norms.numel() * m.tq_norms.element_size()
+               for m in model.modules() if isinstance(m, TurboQuantWeight))
