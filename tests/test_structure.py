@@ -25,8 +25,11 @@ def _modules() -> dict[str, str]:
 
 
 def _imports(module: str, path: str, known: set[str]) -> set[str]:
-    """Modules of the package that `module` imports anywhere in its file (top level or inside functions)."""
-    tree = ast.parse(open(path, encoding="utf-8").read())
+    """Modules of the package that `module` imports anywhere in its file (top level or inside functions).
+
+    `from pkg import name` where `name` is no module counts as an import of `pkg` itself (its `__init__`)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
@@ -41,9 +44,9 @@ def _imports(module: str, path: str, known: set[str]) -> set[str]:
                 base = f"{base}.{node.module}" if node.module else base
             else:
                 base = node.module or ""
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
+            # `from . import x` names the submodule x; `from .x import y` the module x; `from pkg import Name` pkg
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         for n in names:
-            # `from . import x` names a submodule; `from .x import y` the module x
             while n and n not in known:
                 n = n.rpartition(".")[0]
             if n and n != module:
@@ -54,11 +57,7 @@ def _imports(module: str, path: str, known: set[str]) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
-    graph = {m: _imports(m, p, known) for m, p in modules.items()}
-    # importing a submodule runs its package's __init__ first; that edge is implied, not a cycle of the code
-    for m in graph:
-        graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
-    return graph
+    return {m: _imports(m, p, known) for m, p in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -87,13 +86,31 @@ def test_no_import_cycle():
     assert _cycles(graph) == []
 
 
+def test_imports_inside_functions_and_of_package_names_are_edges(tmp_path):
+    """The walk sees an import in a function body, a relative import of a sibling package's submodule, and a name
+    taken from a package's `__init__` (an edge to the package: its `__init__` runs that import's module)."""
+    path = tmp_path / "moe.py"
+    path.write_text("import torch\n\n\ndef f():\n    from turboquant_hf import ops\n    from .. import TurboQuantConfig\n"
+                    "    from . import linear\n    return ops, linear, TurboQuantConfig, torch\n")
+    known = {"turboquant_hf", "turboquant_hf.ops", "turboquant_hf.kernels", "turboquant_hf.kernels.linear",
+             "turboquant_hf.kernels.moe"}
+    found = _imports("turboquant_hf.kernels.moe", str(path), known)
+    assert found == {"turboquant_hf", "turboquant_hf.ops", "turboquant_hf.kernels.linear"}
+    # a kernel module that reaches back into a module importing it is a cycle, function-local or not
+    graph = _graph()
+    graph["turboquant_hf.modules"].add("turboquant_hf.kernels.moe")
+    graph["turboquant_hf.kernels.moe"].add("turboquant_hf.modules")
+    assert _cycles(graph)
+
+
 def test_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def _functions(path: str):
-    tree = ast.parse(open(path, encoding="utf-8").read())
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             jit = any("jit" in ast.unparse(d) for d in node.decorator_list)
@@ -103,7 +120,8 @@ def _functions(path: str):
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_module_and_function_sizes(module):
     path = _modules()[module]
-    lines = sum(1 for _ in open(path, encoding="utf-8"))
+    with open(path, encoding="utf-8") as f:
+        lines = sum(1 for _ in f)
     assert lines <= MAX_MODULE_LINES, f"{path}: {lines} lines"
     for name, length, jit in _functions(path):
         limit = MAX_KERNEL_LINES if jit else MAX_FUNCTION_LINES
