@@ -1,0 +1,43 @@
+"""One rank of the tensor parallel tests (`tests/test_tensor_parallel.py` runs two of them with torchrun, gloo).
+
+`python -m torch.distributed.run --nproc-per-node 2 tensor_parallel_worker.py OUT CASE...`, each CASE
+`name=directory[:bits]`: the model in `directory` loads with `tp_plan="auto"` (quantized on the fly at `bits` when
+given, else pre-quantized); rank r writes `OUT/name.r.pt` with its logits on fixed tokens, its resident packed
+bytes, or the error message the load raised."""
+
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+
+def main(out: str, cases: list[str]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import turboquant_hf
+
+    rank = int(os.environ["RANK"])
+    ids = torch.arange(3, 35).reshape(2, 16) % 200 + 3
+    for case in cases:
+        name, _, spec = case.partition("=")
+        directory, _, bits = spec.partition(":")
+        kw = {}
+        if bits:
+            kw["quantization_config"] = turboquant_hf.TurboQuantConfig(bits=int(bits), group_size=64)
+        record = {}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=torch.float32, **kw)
+        except ValueError as e:
+            record["error"] = f"{type(e).__name__}: {e}"
+        else:
+            with torch.no_grad():
+                record["logits"] = model(ids).logits
+                record["generated"] = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
+            record["packed_bytes"] = turboquant_hf.tensor_parallel.resident_packed_bytes(model)
+        torch.save(record, os.path.join(out, f"{name}.{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,155 @@
+"""Tensor parallelism (`tp_plan="auto"`, world size 2, gloo on CPU) of TurboQuant models against one process.
+
+Two ranks run `tensor_parallel_worker.py` under torchrun once for every case. Quantized on the fly and
+pre-quantized: tiny Llama, Qwen3-MoE and the text-only Qwen3.5-MoE (its gated delta nets' projections gather their
+output; attention, shared expert and routed experts split). The logits equal the single-process quantized model's
+within float32 rounding of a different summation order (the row-wise partial products are summed across ranks):
+|difference| <= 1e-5 * (1 + max |logit|). Each rank holds about half of the packed bytes, and a row-wise split that
+would cut a group is refused with the layer and the sizes named.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import turboquant_hf
+from turboquant_hf import tensor_parallel as tp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BITS = 3
+TOL = 1e-5
+
+
+def _spread(model, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "conv1d" not in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def _llama(intermediate_size):
+    from conftest import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(tiny_llama_config(intermediate_size=intermediate_size))
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256))
+
+
+def _qwen3_5_moe():
+    from conftest import tiny_qwen3_5_moe_config
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    return Qwen3_5MoeForCausalLM(tiny_qwen3_5_moe_config(moe_intermediate_size=128))
+
+
+MODELS = {"llama": lambda: _llama(384), "qwen3_moe": _qwen3_moe, "qwen3_5_moe": _qwen3_5_moe}
+IDS = torch.arange(3, 35).reshape(2, 16) % 200 + 3  # the worker's tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case built, quantized in one process, then loaded by two tensor parallel ranks."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("tp")
+    cases, reference = [], {}
+    for kind, build in MODELS.items():
+        src, pre = str(root / kind), str(root / f"{kind}_tq")
+        _spread(build()).save_pretrained(src)
+        model = AutoModelForCausalLM.from_pretrained(
+            src, dtype=torch.float32, quantization_config=turboquant_hf.TurboQuantConfig(bits=BITS, group_size=64))
+        with torch.no_grad():
+            reference[kind] = (model(IDS).logits, tp.resident_packed_bytes(model))
+        model.save_pretrained(pre)
+        cases += [f"{kind}_fly={src}:{BITS}", f"{kind}_pre={pre}"]
+    cut = str(root / "llama_cut")  # intermediate 352: 176 inputs of down_proj per rank, not a multiple of 64
+    _spread(_llama(352)).save_pretrained(cut)
+    cases.append(f"cut={cut}:{BITS}")
+    out = root / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), os.path.join(HERE, "tensor_parallel_worker.py"), str(out), *cases]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, check=False, cwd=str(root), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    results = {}
+    for case in cases:
+        name = case.partition("=")[0]
+        results[name] = [torch.load(out / f"{name}.{r}.pt") for r in range(2)]
+    return reference, results
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("source", ["fly", "pre"])
+def test_logits_equal_one_process(runs, kind, source):
+    reference, results = runs
+    logits, _ = reference[kind]
+    bound = TOL * (1 + logits.abs().max().item())
+    for rank, record in enumerate(results[f"{kind}_{source}"]):
+        assert "error" not in record, record.get("error")
+        diff = (record["logits"] - logits).abs().max().item()
+        assert diff <= bound, f"rank {rank}: max |logit difference| {diff:.3g} > {bound:.3g}"
+    first, second = (r["generated"] for r in results[f"{kind}_{source}"])
+    assert torch.equal(first, second) and first.shape == (1, 12)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_each_rank_holds_half_the_packed_bytes(runs, kind):
+    reference, results = runs
+    _, whole = reference[kind]
+    for source in ("fly", "pre"):
+        held = [r["packed_bytes"] for r in results[f"{kind}_{source}"]]
+        for rank, b in enumerate(held):
+            assert 0.45 * whole <= b <= 0.56 * whole, f"{kind} {source} rank {rank}: {b} of {whole} packed bytes"
+        assert sum(held) >= whole  # nothing dropped (only small layers outside the plan are replicated)
+
+
+def test_group_cutting_split_is_refused(runs):
+    _, results = runs
+    for record in results["cut"]:
+        msg = record.get("error", "")
+        assert "TensorParallelError" in msg and "model.layers.0.mlp.down_proj" in msg, msg
+        assert "352" in msg and "176" in msg and "group size 64" in msg, msg
+
+
+def test_chunk_ranges_tile_and_refuse_cut_groups():
+    assert [tp.chunk_range(10, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+    assert [tp.group_aligned_range("x", "input width", 255, 64, r, 2) for r in range(2)] == [(0, 128), (128, 255)]
+    with pytest.raises(tp.TensorParallelError, match=r"x: its input width of 96 split into pieces of 48"):
+        tp.group_aligned_range("x", "input width", 96, 64, 0, 2)
+
+
+def test_local_source_slices_match_quantized_slices():
+    """A rank quantizing its slice of the source gets the same bytes as that slice of the whole quantized weight."""
+    from turboquant_hf import codec
+    from turboquant_hf.modules import TurboQuantWeight
+
+    torch.manual_seed(0)
+    w = torch.randn(6, 192)
+    packed, norms = codec.quantize_weight(w, 3, 64)
+    t = TurboQuantWeight((6, 192), 3, 64, device="meta")
+    t.tp_shard = tp.ShardSpec((6, 192), ((0, 6),), 64, 192)  # the second rank of a row-wise split
+    p2, n2 = codec.quantize_weight(tp.local_source(t, w), 3, 64)
+    assert torch.equal(p2, packed.view(6, 3, -1)[:, 1:].reshape(-1, packed.shape[1]))
+    assert torch.equal(n2, norms[:, 1:])
