@@ -229,11 +229,13 @@ def cmd_quantize(args, argv) -> int:
         raise CliError(f"--eval {args.eval}: no such file")
     streaming, why = _use_streaming(args)
     if streaming and cfg.target_bits_per_weight is not None:
-        raise CliError(f"--target-bits: the streaming converter ({why}) cannot measure sensitivities; allocate bits "
-                       "with the model loaded whole (leave out --streaming, or raise --max-memory)")
-    if streaming and cfg.calibration is not None:
-        raise CliError(f"--calibration: the streaming converter ({why}) rounds to nearest only; calibrate with the "
-                       "model loaded whole (leave out --streaming, or raise --max-memory)")
+        raise CliError(f"--target-bits: the streaming converter ({why}) holds one block at a time and cannot measure "
+                       "the budget's sensitivities (they need the loss gradient through the whole model); allocate "
+                       "bits with the model loaded whole (leave out --streaming, or raise --max-memory)")
+    if streaming and cfg.calibration is not None and args.calibration == "data-free":
+        raise CliError(f"--calibration data-free: the streaming converter ({why}) holds one block at a time and "
+                       "cannot generate text with the model; give a text file, or calibrate with the model loaded "
+                       "whole (leave out --streaming, or raise --max-memory)")
     if streaming:
         return _quantize_streaming(args, argv, cfg, recipe, out, why)
     parent = os.path.dirname(out)

@@ -87,6 +87,8 @@ class ConversionSummary:
     device: str = "cpu"
     peak_rss_before: int = 0  # the process's peak resident memory before the tensor work (libraries loaded), bytes
     peak_rss: int = 0  # ... and after it: the difference is the most the tensor work needed
+    calibrated_blocks: int = 0  # blocks calibrated (`calibrate_streaming`), 0 when rounding to nearest
+    peak_resident_weights: int = 0  # with calibration: the most bytes of the model's weights held at once
 
     @property
     def bits_per_weight(self) -> float:
@@ -317,6 +319,15 @@ class StreamingQuantizer(_QuantizerBase):
         keep_dtype = _keep_dtype(dtype)
         save_dir = self._check_output(save_dir, overwrite)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        calibrated = None
+        if cfg.target_bits_per_weight is not None and cfg.calibration is None:
+            from .calibrate_streaming import _BUDGET_REFUSAL
+
+            raise ConversionError(_BUDGET_REFUSAL)
+        if cfg.calibration is not None:  # before the layout: it records the calibration data in the config
+            from .calibrate_streaming import StreamingCalibration
+
+            calibrated = StreamingCalibration(self.source_dir, cfg, _torch_dtype(dtype), device)
         units = self._plan(cfg, keep_dtype)
         layout = shard_layout([o for unit in units for o in unit.outputs], max_shard_size)
         state = run_record(self.source_dir, self.tensors, cfg.to_dict(), keep_dtype, max_shard_size, layout)
@@ -327,7 +338,7 @@ class StreamingQuantizer(_QuantizerBase):
         summary = _summary(units, layout, done_files, device)
         start = time.perf_counter()
         try:
-            self._convert(tmp, units, layout, done_files, device, max_memory, progress, summary)
+            self._convert(tmp, units, layout, done_files, device, max_memory, progress, summary, calibrated)
             self._write_side_files(tmp, cfg, layout, summary, keep_dtype)
             summary.seconds = time.perf_counter() - start
             summary.peak_rss = peak_rss()
@@ -367,9 +378,24 @@ class StreamingQuantizer(_QuantizerBase):
                              "(the source is never modified)")
         return save_dir
 
-    def _convert(self, out_dir, units, layout, done_files, device, max_memory, progress, summary) -> None:
-        """Read, quantize and write every unit not already in a finished shard (see `_SlicePipeline`)."""
-        _SlicePipeline(out_dir, units, layout, done_files, device, max_memory).run(progress, summary)
+    def _convert(self, out_dir, units, layout, done_files, device, max_memory, progress, summary,
+                 calibrated=None) -> None:
+        """Read, quantize and write every unit not already in a finished shard (see `_SlicePipeline`); with
+        `calibrated` (`calibrate_streaming.StreamingCalibration`), its pass over the blocks writes their
+        calibrated units first, through the same shard writer."""
+        if calibrated is None:
+            _SlicePipeline(out_dir, units, layout, done_files, device, max_memory).run(progress, summary)
+            return
+        writer = SliceWriter(out_dir, layout, done_files, _SlicePipeline.in_flight_for(device))
+        try:
+            written = calibrated.run(units, writer, summary, progress)
+        except BaseException:
+            writer.abort()
+            raise
+        summary.calibrated_blocks = calibrated.blocks_done
+        summary.peak_resident_weights = calibrated.peak_resident
+        rest = [u for u in units if u.name not in written]
+        _SlicePipeline(out_dir, rest, layout, done_files, device, max_memory).run(progress, summary, writer)
 
     def _write_side_files(self, out_dir, cfg: TurboQuantConfig, layout, summary, keep_dtype) -> None:
         if len(layout) > 1:
@@ -408,12 +434,17 @@ class StreamingQuantizer(_QuantizerBase):
             warnings.warn(f"TurboQuant: converted the model but could not write its model card: {e}")
 
 
-def _keep_dtype(dtype) -> str | None:
-    """The safetensors dtype to cast the tensors kept in full precision to (None: as stored)."""
+def _torch_dtype(dtype) -> torch.dtype | None:
+    """`dtype` as a torch dtype (None: as stored, "auto")."""
     if dtype is None or str(dtype) == "auto":
         return None
-    tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
-    return DTYPE_NAMES[tdtype]
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
+
+
+def _keep_dtype(dtype) -> str | None:
+    """The safetensors dtype to cast the tensors kept in full precision to (None: as stored)."""
+    tdtype = _torch_dtype(dtype)
+    return None if tdtype is None else DTYPE_NAMES[tdtype]
 
 
 def _summary(units: list[_Unit], layout, done_files: set, device) -> ConversionSummary:
@@ -449,12 +480,8 @@ class _SlicePipeline:
         self.todo = [u for u in units if any(where[n] not in done_files for n, _, _ in u.outputs)]
         self.on_cpu = device.type in _POOLED_DEVICES
         self.cuda = device.type == "cuda" and not self.on_cpu
-        if self.on_cpu:  # the workers, one slice being written and one ready for the writer
-            self.workers = max(1, torch.get_num_threads())
-            self.in_flight = self.workers + 2
-        else:
-            self.workers = _DEVICE_READERS
-            self.in_flight = _DEVICE_IN_FLIGHT
+        self.workers = max(1, torch.get_num_threads()) if self.on_cpu else _DEVICE_READERS
+        self.in_flight = self.in_flight_for(device)
         self.slice_elems = CPU_SLICE if self.on_cpu else CUDA_SLICE
         self.copy_bytes = _COPY_SLICE
         if max_memory is not None:  # every slice in flight at once, with its temporaries, within the budget
@@ -471,6 +498,14 @@ class _SlicePipeline:
             self.compute_stream = torch.cuda.current_stream(device)
             self.copy_stream = torch.cuda.Stream(device)
         self.reader = SourceReader()
+
+    @staticmethod
+    def in_flight_for(device) -> int:
+        """Slices on their way at once: on CPU the workers' (one per torch thread), one being written and one
+        ready for the writer."""
+        if device.type in _POOLED_DEVICES:
+            return max(1, torch.get_num_threads()) + 2
+        return _DEVICE_IN_FLIGHT
 
     def slice_rows(self, unit, t) -> int:
         return max(1, self.slice_elems // max(1, fmt.padded_width(t.row_width, unit.target.group_size)))
@@ -581,7 +616,9 @@ class _SlicePipeline:
         summary.params_processed += (b - a) * t.row_width
         return (b - a) * t.row_width * t.itemsize
 
-    def run(self, progress, summary) -> None:
+    def run(self, progress, summary, writer: SliceWriter | None = None) -> None:
+        """Write every unit to do; `writer`: a shard writer already holding other tensors (made for
+        `in_flight_for(device)` slices), closed here like the pipeline's own."""
         from tqdm.auto import tqdm
 
         total = sum(u.nbytes_in for u in self.todo)
@@ -590,7 +627,8 @@ class _SlicePipeline:
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="turboquant-convert",
                                   initializer=torch.set_num_threads if self.on_cpu else None,
                                   initargs=(1,) if self.on_cpu else ())
-        writer = SliceWriter(self.out_dir, self.layout, self.done_files, self.in_flight)
+        if writer is None:
+            writer = SliceWriter(self.out_dir, self.layout, self.done_files, self.in_flight)
         ahead: deque = deque()
         it = self.tasks()
         shown = None
