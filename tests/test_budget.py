@@ -133,6 +133,34 @@ def test_a_layer_made_sensitive_gets_the_bits():
     assert weights[3] > weights[4] > 0
 
 
+def test_statistics_share_the_calibration_hessians():
+    """The budget's Hessians are calibrated rounding's: for the first block they equal, bit for bit, what
+    `collect_input_hessians` accumulates on that block's captured inputs, modules fed one tensor share one (q, k, v),
+    and each is `sum X^T X` of the module's recorded inputs."""
+    from turboquant_hf.calibration import capture_block_inputs, collect_input_hessians
+
+    model = _model()
+    batches = _batches(3)
+    names = [n for n, m in model.named_modules() if n.startswith("model.layers.0.") and isinstance(m, torch.nn.Linear)]
+    hessians, grads, tokens = budget.collect_statistics(model, names, batches, gradients=True)
+    assert tokens == 96 and set(grads) == set(hessians) == set(names)
+    hidden, calls = capture_block_inputs(model, model.model.layers, batches)
+    acc = collect_input_hessians(model.model.layers[0], hidden, calls[0], {n: model.get_submodule(n) for n in names})
+    for n in names:
+        assert torch.equal(hessians[n], acc.hessian(n)), n
+    attn = "model.layers.0.self_attn."
+    assert hessians[attn + "q_proj"] is hessians[attn + "k_proj"] is hessians[attn + "v_proj"]
+    assert hessians[attn + "o_proj"] is not hessians[attn + "q_proj"]
+    inputs = []
+    handle = model.get_submodule(attn + "o_proj").register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+    with torch.no_grad():
+        for b in batches:
+            model(input_ids=b)
+    handle.remove()
+    x = torch.cat([i.reshape(-1, i.shape[-1]) for i in inputs]).double()
+    torch.testing.assert_close(hessians[attn + "o_proj"].double(), x.t() @ x, rtol=1e-5, atol=1e-5)
+
+
 def test_cli_target_bits_is_parsed():
     from turboquant_hf.cli_parser import build_parser
 

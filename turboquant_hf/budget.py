@@ -121,18 +121,13 @@ def _device(model: nn.Module) -> torch.device:
 # statistics
 def collect_statistics(model: nn.Module, names, batches, gradients: bool = True) -> tuple[dict, dict, int]:
     """({name: sum X^T X of its input}, {name: sum over tokens of the squared loss gradient per output channel},
-    tokens) over `batches`, for the Linears `names`. The gradients are of the next-token cross-entropy of the model
-    on the batches (omitted with `gradients=False`)."""
-    hessians: dict[str, torch.Tensor] = {}
+    tokens) over `batches`, for the Linears `names`. The Hessians are those calibrated rounding uses
+    (`calibration.InputHessians`: modules fed the same tensor share one); the gradients are of the next-token
+    cross-entropy of the model on the batches (omitted with `gradients=False`)."""
+    from .calibration import InputHessians
+
     grads: dict[str, torch.Tensor] = {}
     handles = []
-
-    def pre_hook(name):
-        def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            h = x.t() @ x
-            hessians[name] = hessians[name] + h if name in hessians else h
-        return hook
 
     def out_hook(name):
         def hook(module, args, out):
@@ -144,10 +139,10 @@ def collect_statistics(model: nn.Module, names, batches, gradients: bool = True)
         return hook
 
     modules = {n: model.get_submodule(n) for n in names}
-    for name, module in modules.items():
-        handles.append(module.register_forward_pre_hook(pre_hook(name)))
-        if gradients:
+    if gradients:
+        for name, module in modules.items():
             handles.append(module.register_forward_hook(out_hook(name)))
+    inputs = InputHessians(modules, {})
     device = _device(model)
     # gradients flow from the embeddings' output, none into the parameters (no parameter gradient is stored)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -157,23 +152,26 @@ def collect_statistics(model: nn.Module, names, batches, gradients: bool = True)
         handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
     tokens = 0
     try:
-        for batch in batches:
-            ids = batch.to(device)
-            tokens += ids.numel()
-            if gradients:
-                with torch.enable_grad():
-                    logits = model(input_ids=ids, use_cache=False).logits
-                    loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
-                    loss.backward()
-            else:
-                with torch.no_grad():
-                    model(input_ids=ids, use_cache=False)
+        with inputs:
+            for batch in batches:
+                inputs.new_batch()
+                ids = batch.to(device)
+                tokens += ids.numel()
+                if gradients:
+                    with torch.enable_grad():
+                        logits = model(input_ids=ids, use_cache=False).logits
+                        loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+                        loss.backward()
+                else:
+                    with torch.no_grad():
+                        model(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
         if gradients:
             for p in trainable:
                 p.requires_grad_(True)
+    hessians = {n: inputs.hessian(n) for n in names if n in inputs.owner}
     missing = [n for n in names if n not in hessians or (gradients and n not in grads)]
     if missing:
         raise RuntimeError(f"budget: the forward over the batches did not reach {', '.join(missing[:3])}"

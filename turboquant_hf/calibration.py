@@ -142,9 +142,11 @@ def _model_device(model) -> torch.device:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Hessians
-class _Accumulator:
-    """`sum X^T X` per planned Linear of one block (float32), shared by modules fed the same tensor in a forward,
-    and per expert of fused experts modules."""
+class InputHessians:
+    """Hooks that accumulate `sum X^T X` of each Linear's input (float32) while they are active (`with`), one
+    Hessian shared by modules fed the same tensor in a forward (call `new_batch()` before each forward), and per
+    expert of fused experts modules. Both `collect_input_hessians` (one block) and the bit budget's statistics
+    (`budget.collect_statistics`, the whole model) use it."""
 
     def __init__(self, linears: dict[str, nn.Module], experts: dict[str, tuple[nn.Module, str]]):
         self.linears, self.experts = linears, experts
@@ -221,11 +223,11 @@ class _Accumulator:
 
 
 def collect_input_hessians(block: nn.Module, hidden: list, calls: list, linears: dict[str, nn.Module],
-                           experts: dict[str, tuple[nn.Module, str]] | None = None) -> _Accumulator:
+                           experts: dict[str, tuple[nn.Module, str]] | None = None) -> InputHessians:
     """Run `block` over every batch and accumulate its input Hessians: `acc.hessian(name)` for each Linear of
     `linears` (`{name: module}`), `acc.expert_hessians[name] = [gate_up (E, H, H), down (E, I, I), tokens (E,)]`
     for each experts module of `experts` (`{name: (module, activation)}`)."""
-    acc = _Accumulator(linears, experts or {})
+    acc = InputHessians(linears, experts or {})
     with acc, torch.no_grad():
         for hs, call in zip(hidden, calls):
             acc.new_batch()
