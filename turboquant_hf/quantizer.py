@@ -15,7 +15,7 @@ from . import format as fmt
 from . import mlx, planning, saving, settings, tensor_parallel
 from .config import TurboQuantConfig
 from .fusion import fuse_projections
-from .modules import TurboQuantExperts, TurboQuantWeight, to_norms_dtype
+from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight, to_norms_dtype
 
 logger = logging.get_logger(__name__)
 
@@ -81,9 +81,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
     # -- environment ---------------------------------------------------------------------------------------------
     def validate_environment(self, *args, **kwargs):
-        device_map = kwargs.get("device_map")
-        if isinstance(device_map, dict) and "disk" in device_map.values():
-            raise ValueError("TurboQuant: offloading layers to disk is not supported; use cpu or cuda devices")
+        """Every device_map works: layers offloaded to "disk" keep their packed tensors (buffers) in CPU memory
+        unless `offload_buffers=True`, which offloads them too (see `onload_weights_with_owner`)."""
 
     def update_dtype(self, dtype):
         self.load_dtype = dtype
@@ -186,6 +185,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
         if self.deferred:
             quantize_after_loading(model, self.quantization_config)
         tensor_parallel.load_shards(model, self.checkpoint_index)
+        offloaded = disk_offloaded_modules(model)
+        onload_weights_with_owner(model)
         for name, module in model.named_modules():
             if isinstance(module, TurboQuantWeight) and module.awaiting_dtype is not None:
                 raise ckpt.CheckpointError(f"checkpoint is missing {name} (needed to quantize it)")
@@ -193,7 +194,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
                 for attr, shape in module.expected_shapes().items():
                     t = getattr(module, attr)
                     got = module.packed_shape() if attr == "tq_packed" else tuple(t.shape)
-                    if t.is_meta or got != shape:
+                    if (t.is_meta and not _under(name, offloaded)) or got != shape:
                         raise ckpt.CheckpointError(
                             f"{name}.{attr}: expected shape {shape}, got {got} on {t.device}"
                         )
@@ -304,6 +305,49 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
         rtn_quantize(model, planning.from_config(model, config))
         record["method"] = "round-to-nearest"
     config.calibrated_with = record
+
+
+def disk_offloaded_modules(model) -> set[str]:
+    """Names of the modules whose tensors accelerate offloads (`device_map` "disk", `offload_buffers=True`): their
+    tensors stay on the meta device and its hooks bring them in for each forward."""
+    names = set()
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+        if any(getattr(h, "offload", False) for h in hooks):
+            names.add(name)
+    return names
+
+
+def onload_weights_with_owner(model) -> int:
+    """accelerate hooks each module's own tensors into place around that module's forward; a TurboQuantWeight (the
+    packed tensors) has no forward of its own, so its offload hook runs around its owner's (the TurboQuantLinear or
+    TurboQuantExperts that computes with it). Returns how many weights it attached."""
+    count = 0
+    for owner in model.modules():
+        if not isinstance(owner, (TurboQuantLinear, TurboQuantExperts)):
+            continue
+        children = [c for c in owner.children() if isinstance(c, TurboQuantWeight)
+                    and getattr(getattr(c, "_hf_hook", None), "offload", False)]
+        if not children or getattr(owner, "_tq_onload_children", None) is not None:
+            continue
+
+        def pre(module, args, kwargs, children=tuple(children)):
+            for c in children:
+                c._hf_hook.pre_forward(c)
+
+        def post(module, args, output, children=tuple(children)):
+            for c in children:
+                c._hf_hook.post_forward(c, None)
+
+        owner._tq_onload_children = (owner.register_forward_pre_hook(pre, with_kwargs=True),
+                                     owner.register_forward_hook(post))
+        count += len(children)
+    return count
+
+
+def _under(name: str, owners: set[str]) -> bool:
+    return any(name == o or name.startswith(o + ".") or o == "" for o in owners)
 
 
 def _resolve_placeholders_while_loading(model) -> None:
