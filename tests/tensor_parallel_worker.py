@@ -36,7 +36,17 @@ def main(out: str, cases: list[str]) -> None:
                 record["logits"] = model(ids).logits
                 record["generated"] = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
             record["packed_bytes"] = turboquant_hf.tensor_parallel.resident_packed_bytes(model)
+            record["state_bytes"] = state_bytes(model)
         torch.save(record, os.path.join(out, f"{name}.{rank}.pt"))
+
+
+def state_bytes(model) -> int:
+    """Bytes of this rank's part of every tensor of the state dict (its local shard of a DTensor)."""
+    total = 0
+    for t in model.state_dict().values():
+        t = getattr(t, "_local_tensor", t)
+        total += t.numel() * t.element_size()
+    return total
 
 
 if __name__ == "__main__":

@@ -60,6 +60,19 @@ MODELS = {"llama": lambda: _llama(384), "qwen3_moe": _qwen3_moe, "qwen3_5_moe": 
 IDS = torch.arange(3, 35).reshape(2, 16) % 200 + 3  # the worker's tokens
 
 
+def _plan(directory) -> dict:
+    """`turboquant-hf plan DIR --gpus 2` of a saved checkpoint (its `tensor_parallel` part)."""
+    import json
+
+    from turboquant_hf import checkpoint, sizing
+
+    index = checkpoint.read_checkpoint_index([os.path.join(directory, "model.safetensors")])
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    tensors = {k: (v["dtype"], v["shape"]) for k, v in index.items()}
+    return sizing.plan_stored_memory(config, tensors, gpus=2)["tensor_parallel"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,6 +95,7 @@ def runs(tmp_path_factory):
         with torch.no_grad():
             reference[kind] = (model(IDS).logits, tp.resident_packed_bytes(model))
         model.save_pretrained(pre)
+        reference[kind] += (_plan(pre),)
         cases += [f"{kind}_fly={src}:{BITS}", f"{kind}_pre={pre}"]
     cut = str(root / "llama_cut")  # intermediate 352: 176 inputs of down_proj per rank, not a multiple of 64
     _spread(_llama(352)).save_pretrained(cut)
@@ -104,7 +118,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("source", ["fly", "pre"])
 def test_logits_equal_one_process(runs, kind, source):
     reference, results = runs
-    logits, _ = reference[kind]
+    logits = reference[kind][0]
     bound = TOL * (1 + logits.abs().max().item())
     for rank, record in enumerate(results[f"{kind}_{source}"]):
         assert "error" not in record, record.get("error")
@@ -117,7 +131,7 @@ def test_logits_equal_one_process(runs, kind, source):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_each_rank_holds_half_the_packed_bytes(runs, kind):
     reference, results = runs
-    _, whole = reference[kind]
+    whole = reference[kind][1]
     for source in ("fly", "pre"):
         held = [r["packed_bytes"] for r in results[f"{kind}_{source}"]]
         for rank, b in enumerate(held):
@@ -153,3 +167,13 @@ def test_local_source_slices_match_quantized_slices():
     p2, n2 = codec.quantize_weight(tp.local_source(t, w), 3, 64)
     assert torch.equal(p2, packed.view(6, 3, -1)[:, 1:].reshape(-1, packed.shape[1]))
     assert torch.equal(n2, norms[:, 1:])
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_plan_gpus_2_predicts_each_ranks_bytes(runs, kind):
+    """`plan --gpus 2` from the headers equals the bytes of the first rank's state dict (its shards included)."""
+    reference, results = runs
+    plan = reference[kind][2]
+    assert not plan["refused"]
+    for source in ("fly", "pre"):
+        assert results[f"{kind}_{source}"][0]["state_bytes"] == plan["weights_bytes_per_gpu"], source

@@ -486,10 +486,10 @@ def cmd_plan(args, argv) -> int:
     try:
         if stored:
             plan = sizing.plan_stored_memory(config, tensors, _plan_tq_config(args.src), args.kv_dtype, args.context,
-                                             args.batch)
+                                             args.batch, gpus=args.gpus)
             recipe = None
         else:
-            plan = sizing.plan_memory(config, tensors, cfg, args.kv_dtype, args.context, args.batch)
+            plan = sizing.plan_memory(config, tensors, cfg, args.kv_dtype, args.context, args.batch, gpus=args.gpus)
     except sizing.PlanError as e:
         raise CliError(f"plan: {e}") from e
     plan["source"] = where
@@ -499,12 +499,15 @@ def cmd_plan(args, argv) -> int:
     for key, gb in (("gpu", args.gpu_gb), ("ram", args.ram_gb)):
         if gb is not None:
             suffix = "gpu_bytes" if key == "gpu" else "bytes"  # (a GPU holds ternary weights as 2-bit codes)
-            fits = plan[f"total_{suffix}"] <= gb * 1e9
+            tp = plan.get("tensor_parallel") if key == "gpu" else None  # --gpus N: the budget of each GPU
+            total = tp[f"total_{suffix}_per_gpu"] if tp else plan[f"total_{suffix}"]
+            fits = total <= gb * 1e9
             plan[f"fits_{key}"] = fits
             plan[f"{key}_budget_bytes"] = int(gb * 1e9)
             # the longest context that fits beside the weights
-            per_token = plan["kv_cache_bytes_per_token"] * args.batch
-            room = gb * 1e9 - plan[f"weights_{suffix}"] - plan["recurrent_state_bytes"] * args.batch
+            per_token = (tp["kv_cache_bytes_per_token_per_gpu"] if tp else plan["kv_cache_bytes_per_token"]) * args.batch
+            weights = tp[f"weights_{suffix}_per_gpu"] if tp else plan[f"weights_{suffix}"]
+            room = gb * 1e9 - weights - plan["recurrent_state_bytes"] * args.batch
             longest = int(room // per_token) if per_token and room > 0 else 0
             limit = int(tq_card.text_config(config).get("max_position_embeddings") or 0)
             plan[f"max_context_{key}"] = min(longest, limit) if limit else longest
@@ -542,6 +545,8 @@ def cmd_plan(args, argv) -> int:
     lines.append(f"at {plan['context']:,} tokens x batch {args.batch}: KV {h(plan['kv_cache_bytes'])}, "
                  f"total {h(plan['total_bytes'])}"
                  + (f" ({h(plan['total_gpu_bytes'])} on a GPU)" if plan["total_gpu_bytes"] != plan["total_bytes"] else ""))
+    if "tensor_parallel" in plan:
+        lines += _tensor_parallel_lines(plan["tensor_parallel"])
     for key, gb in (("gpu", args.gpu_gb), ("ram", args.ram_gb)):
         if gb is not None:
             verdict = "fits" if plan[f"fits_{key}"] else "does NOT fit"
@@ -549,6 +554,24 @@ def cmd_plan(args, argv) -> int:
                          f"{plan[f'max_context_{key}']:,} tokens")
     _emit(args, plan, "\n".join(lines))
     return EXIT_OK if budget_ok else EXIT_DOES_NOT_FIT
+
+
+def _tensor_parallel_lines(tp: dict) -> list[str]:
+    """The `plan --gpus N` section: what each GPU holds under tensor parallelism."""
+    from . import card as tq_card
+
+    h = tq_card.human_bytes
+    n = tp["gpus"]
+    lines = ["", f"tensor parallel over {n} GPUs (tp_plan='auto'), per GPU: weights {h(tp['weights_bytes_per_gpu'])}"
+                 + (f" ({h(tp['weights_gpu_bytes_per_gpu'])} on a GPU)"
+                    if tp["weights_gpu_bytes_per_gpu"] != tp["weights_bytes_per_gpu"] else "")
+                 + f", KV {h(tp['kv_cache_bytes_per_gpu'])}, total {h(tp['total_gpu_bytes_per_gpu'])}",
+             f"  split over the GPUs: {h(tp['split_bytes'])} of weights; on every GPU: {h(tp['replicated_bytes'])}"]
+    for reason in tp["refused"][:5]:
+        lines.append(f"  REFUSED by tensor parallelism (a split would cut a group): {reason}")
+    if len(tp["refused"]) > 5:
+        lines.append(f"  ... and {len(tp['refused']) - 5} more")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------------------

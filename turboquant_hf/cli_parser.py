@@ -168,6 +168,9 @@ def _plan_parser(sub, fmt_cls) -> None:
     p.add_argument("--kv-dtype", default="bf16", choices=sorted(KV_DTYPE_BYTES), help="KV cache dtype (default bf16)")
     p.add_argument("--gpu-gb", type=float, help="GPU memory budget in GB (10^9 bytes); exit code 4 if it does not fit")
     p.add_argument("--ram-gb", type=float, help="CPU memory budget in GB; exit code 4 if it does not fit")
+    p.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="tensor parallel size (from_pretrained(..., tp_plan='auto') on N GPUs): bytes per GPU, "
+                        "and --gpu-gb applies to each GPU (default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

@@ -5,6 +5,7 @@ quantized): weights per tier, KV cache per token, recurrent state."""
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -79,14 +80,15 @@ def _norm_bytes(n_levels: int) -> int:
 
 
 def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", context: int | None = None,
-                batch: int = 1) -> dict[str, Any]:
+                batch: int = 1, gpus: int = 1) -> dict[str, Any]:
     """The memory projection of `tensors` quantized with `cfg`: weights per tier (exact), KV cache, recurrent state.
 
     Sizes are those of the checkpoint (and of the model in CPU memory); `*gpu_bytes` are those on a CUDA device,
     where ternary weights take the 2-bit runtime layout unless TURBOQUANT_COMPACT_TERNARY is set
-    (`turboquant_hf.layout`)."""
+    (`turboquant_hf.layout`). `gpus` > 1 adds `tensor_parallel` (`tensor_parallel_share`)."""
 
 
+    split = TensorParallelSplit(config, gpus, cfg.group_size)
     try:
         quantized = planning.from_headers(config, tensors, cfg)
     except (ValueError, KeyError) as e:
@@ -100,12 +102,14 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
         if name not in quantized:
             full_bytes += nbytes
             full_count += 1
+            split.add(name, nbytes, nbytes)
             continue
         _, bits, rows, in_features = quantized[name]
         n_levels = fmt.levels_for_bits(bits)
         groups = rows * -(-in_features // G)
         packed = groups * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))
         on_gpu = layout.gpu_bytes_per_group(n_levels, G)
+        split.add(name, packed, groups * (on_gpu + _norm_bytes(n_levels)), in_features=in_features)
         t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
                                     "base_bytes": 0})
         t["tensors"] += 1
@@ -115,7 +119,7 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
         t["base_bytes"] += nbytes
     plan = _plan_weights(tiers, full_bytes, full_count, base_bytes)
     plan = {"quantization_config": cfg.to_dict(), "already_quantized": False, **plan}
-    return _plan_runtime(plan, config, kv_dtype, context, batch)
+    return split.finish(_plan_runtime(plan, config, kv_dtype, context, batch))
 
 
 def _plan_weights(tiers: dict, full_bytes: int, full_count: int, base_bytes: int) -> dict[str, Any]:
@@ -162,7 +166,7 @@ def _stored_quantization_config(config: dict, tq_config: dict | None) -> dict:
 
 
 def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = None, kv_dtype: str = "bf16",
-                       context: int | None = None, batch: int = 1) -> dict[str, Any]:
+                       context: int | None = None, batch: int = 1, gpus: int = 1) -> dict[str, Any]:
     """The memory plan of a checkpoint that is already TurboQuant-quantized, as it is stored: every tensor at its
     stored bytes (packed uint8 and norms for the quantized weights, the others at their own dtype), each quantized
     weight in the tier its packed geometry says (`format.levels_from_geometry`), KV cache and state as
@@ -178,6 +182,7 @@ def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = Non
                      or "bfloat16").replace("torch.", "")
     base_dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(base_dtype, 2)
     index = {name: {"dtype": dtype, "shape": tuple(shape)} for name, (dtype, shape) in tensors.items()}
+    split = TensorParallelSplit(config, gpus, group_size)
 
     def nbytes(name: str) -> int:
         dtype = index[name]["dtype"]
@@ -221,8 +226,110 @@ def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = Non
         t["base_bytes"] += rows * in_features * base_dtype_bytes
         base_bytes += rows * in_features * base_dtype_bytes
         quantized_names.update(names)
+        split.add(key, stored, stored + gpu_extra, in_features=in_features, group_size=g)
     full = [n for n in index if n not in quantized_names]
     full_bytes = sum(nbytes(n) for n in full)
+    for n in full:
+        split.add(n, nbytes(n), nbytes(n))
     plan = _plan_weights(tiers, full_bytes, len(full), base_bytes + full_bytes)
     plan = {"quantization_config": qc, "already_quantized": True, "group_size": group_size, **plan}
-    return _plan_runtime(plan, config, kv_dtype, context, batch)
+    return split.finish(_plan_runtime(plan, config, kv_dtype, context, batch))
+
+
+# -- tensor parallelism ------------------------------------------------------------------------------------------
+COLUMN_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise", "unit_colwise")
+ROW_STYLES = ("rowwise", "rowwise_rep", "rowwise_split_input", "unit_rowwise")
+EMBEDDING_STYLES = ("embedding_rowwise", "embedding_colwise")
+_SUFFIXES = (".tq_packed", ".tq_norms", ".tq_codebook", ".tq_signs", ".weight", ".bias")
+
+
+def tensor_parallel_rules(config: dict) -> list[tuple[re.Pattern, str]]:
+    """The tensor parallel plan the installed transformers applies to this model's language model (`model.tp_plan`
+    of the model built on the meta device from the text config, with at most 8 layers: the plan names layers by
+    `*`), as (regex on module names, style); it matches under any prefix (`model.`, `model.language_model.`)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    tc = dict(tq_card.text_config(config))
+    model_type = tc.get("model_type") or config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise PlanError(f"transformers does not know the model type {model_type!r}")
+    layers = min(int(tc.get("num_hidden_layers") or 1), 8)
+    tc["num_hidden_layers"] = layers
+    if isinstance(tc.get("layer_types"), list):
+        tc["layer_types"] = tc["layer_types"][:layers]
+    tc.pop("quantization_config", None)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type].from_dict(tc))
+    except (ValueError, KeyError, TypeError) as e:
+        raise PlanError(f"transformers cannot build {model_type!r} from its config.json ({e})") from e
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    return [(re.compile(r"(^|\.)" + re.escape(k).replace(r"\*", r"\d+") + "$"), v) for k, v in plan.items()]
+
+
+class TensorParallelSplit:
+    """Per-GPU bytes of a model split over `gpus` ranks by its tp plan, tensor by tensor, as TurboQuant splits them
+    (`turboquant_hf.tensor_parallel`): column-wise tensors by output rows, row-wise ones by input width on group
+    boundaries (a split that would cut a group is listed in `refused`), quantized fused experts by their
+    intermediate width, every other tensor replicated on each GPU. Each share is the largest rank's (`torch.chunk`
+    sizes)."""
+
+    def __init__(self, config: dict, gpus: int, group_size: int):
+        self.config, self.gpus, self.group_size = config, int(gpus), group_size
+        if self.gpus < 1:
+            raise PlanError(f"--gpus must be at least 1, got {gpus}")
+        self.rules = tensor_parallel_rules(config) if self.gpus > 1 else []
+        if self.gpus > 1 and not self.rules:
+            raise PlanError(f"{config.get('model_type')!r} has no tensor parallel plan in transformers "
+                            "(base_model_tp_plan): it cannot be split over GPUs with tp_plan")
+        self.bytes = self.gpu_bytes = self.split_bytes = 0
+        self.refused: list[str] = []
+
+    def style(self, name: str, quantized: bool = False) -> str | None:
+        module = name
+        for suffix in _SUFFIXES:
+            module = module.removesuffix(suffix)
+        if quantized and re.search(r"\.experts(\.|$)", module):
+            return "experts"
+        for rx, style in self.rules:
+            if rx.search(module):
+                return style
+        return None
+
+    def add(self, name: str, nbytes: int, gpu_bytes: int, in_features: int | None = None,
+            group_size: int | None = None) -> None:
+        """One tensor (a quantized weight: `name` its checkpoint name, `in_features` its input width)."""
+        style = self.style(name, quantized=in_features is not None) if self.gpus > 1 else None
+        is_bias = name.endswith(".bias")
+        split = style in COLUMN_STYLES or style in EMBEDDING_STYLES or style == "experts" or (
+            style in ROW_STYLES and not is_bias)
+        g = group_size or self.group_size
+        if in_features and (style in ROW_STYLES or (style == "experts" and ".down_proj" in name)):
+            chunk = -(-in_features // self.gpus)
+            if chunk % g and chunk < in_features:
+                self.refused.append(f"{name}: input width {in_features} splits into {chunk} per GPU, not a multiple "
+                                    f"of the group size {g}")
+        share = (lambda b: -(-b // self.gpus)) if split else (lambda b: b)
+        self.bytes += share(nbytes)
+        self.gpu_bytes += share(gpu_bytes)
+        self.split_bytes += nbytes if split else 0
+
+    def finish(self, plan: dict) -> dict:
+        """`plan` with `tensor_parallel` added when `gpus` > 1: per-GPU weights, KV cache and totals."""
+        if self.gpus == 1:
+            return plan
+        kv = plan["kv_cache"]
+        heads = int(kv.get("kv_heads") or 0)
+        kv_share = -(-heads // self.gpus) / heads if heads else 1.0  # whole KV heads per GPU
+        kv_bytes = int(plan["kv_cache_bytes"] * kv_share)
+        state = plan["recurrent_state_bytes"] * plan["batch"]  # linear attention gathers its projections: replicated
+        plan["tensor_parallel"] = {
+            "gpus": self.gpus, "weights_bytes_per_gpu": self.bytes, "weights_gpu_bytes_per_gpu": self.gpu_bytes,
+            "split_bytes": self.split_bytes, "replicated_bytes": plan["weights_bytes"] - self.split_bytes,
+            "kv_cache_bytes_per_gpu": kv_bytes, "kv_cache_bytes_per_token_per_gpu":
+                int(plan["kv_cache_bytes_per_token"] * kv_share),
+            "total_bytes_per_gpu": self.bytes + kv_bytes + state,
+            "total_gpu_bytes_per_gpu": self.gpu_bytes + kv_bytes + state, "refused": self.refused,
+        }
+        return plan
