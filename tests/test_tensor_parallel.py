@@ -177,3 +177,27 @@ def test_plan_gpus_2_predicts_each_ranks_bytes(runs, kind):
     assert not plan["refused"]
     for source in ("fly", "pre"):
         assert results[f"{kind}_{source}"][0]["state_bytes"] == plan["weights_bytes_per_gpu"], source
+
+
+def test_plan_cli_gpus_names_group_cutting_splits_and_budgets_each_gpu(tmp_path, capsys):
+    import json
+
+    from turboquant_hf import cli
+
+    _spread(_llama(352)).save_pretrained(tmp_path)
+    assert cli.main(["plan", str(tmp_path), "--bits", "3", "--group-size", "64", "--gpus", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    tp_plan = plan["tensor_parallel"]
+    assert tp_plan["gpus"] == 2 and len(tp_plan["refused"]) == 2  # down_proj of both layers: 176 inputs per GPU
+    assert all("mlp.down_proj" in r and "352" in r and "176" in r for r in tp_plan["refused"])
+    assert tp_plan["weights_bytes_per_gpu"] == tp_plan["replicated_bytes"] + tp_plan["split_bytes"] // 2
+    per_gpu = tp_plan["total_gpu_bytes_per_gpu"]
+    assert per_gpu < plan["total_gpu_bytes"]
+    # a budget between the per-GPU total and the one-GPU total fits only with --gpus 2
+    budget = f"{(per_gpu + plan['total_gpu_bytes']) / 2e9:.9f}"
+    assert cli.main(["plan", str(tmp_path), "--bits", "3", "--group-size", "64", "--gpu-gb", budget]) == \
+        cli.EXIT_DOES_NOT_FIT
+    capsys.readouterr()
+    assert cli.main(["plan", str(tmp_path), "--bits", "3", "--group-size", "64", "--gpus", "2", "--gpu-gb",
+                     budget]) == 0
+    assert "tensor parallel over 2 GPUs" in capsys.readouterr().out

@@ -183,6 +183,12 @@ class TurboQuantHfQuantizer(HfQuantizer):
             model.config.__dict__.pop("quantization", None)
         self.raise_conversion_failures()
         if self.deferred:
+            if getattr(model, "_tp_size", None) not in (None, 1):
+                raise ValueError(
+                    "TurboQuant: calibration and target_bits_per_weight quantize after loading, which tensor "
+                    "parallelism (tp_plan) does not support: quantize in one process, save_pretrained, and load the "
+                    "saved checkpoint with tp_plan"
+                )
             quantize_after_loading(model, self.quantization_config)
         tensor_parallel.load_shards(model, self.checkpoint_index)
         offloaded = disk_offloaded_modules(model)
