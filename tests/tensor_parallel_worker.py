@@ -2,8 +2,8 @@
 
 `python -m torch.distributed.run --nproc-per-node 2 tensor_parallel_worker.py OUT CASE...`, each CASE
 `name=directory[:bits]`: the model in `directory` loads with `tp_plan="auto"` (quantized on the fly at `bits` when
-given, else pre-quantized); rank r writes `OUT/name.r.pt` with its logits on fixed tokens, its resident packed
-bytes, or the error message the load raised."""
+given, `c<bits>` with calibration, else pre-quantized); rank r writes `OUT/name.r.pt` with its logits on fixed
+tokens, a greedy continuation, its resident packed bytes and state-dict bytes, or the error the load raised."""
 
 import os
 import sys
@@ -24,8 +24,10 @@ def main(out: str, cases: list[str]) -> None:
         name, _, spec = case.partition("=")
         directory, _, bits = spec.partition(":")
         kw = {}
-        if bits:
-            kw["quantization_config"] = turboquant_hf.TurboQuantConfig(bits=int(bits), group_size=64)
+        if bits:  # `c3`: 3 bits with (data-free) calibration
+            calibration = {"data": "data-free", "samples": 2, "sequence_length": 16} if bits[0] == "c" else None
+            kw["quantization_config"] = turboquant_hf.TurboQuantConfig(bits=int(bits.lstrip("c")), group_size=64,
+                                                                       calibration=calibration)
         record = {}
         try:
             model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=torch.float32, **kw)

@@ -99,7 +99,7 @@ def runs(tmp_path_factory):
         cases += [f"{kind}_fly={src}:{BITS}", f"{kind}_pre={pre}"]
     cut = str(root / "llama_cut")  # intermediate 352: 176 inputs of down_proj per rank, not a multiple of 64
     _spread(_llama(352)).save_pretrained(cut)
-    cases.append(f"cut={cut}:{BITS}")
+    cases += [f"cut={cut}:{BITS}", f"calibrated={root / 'llama'}:c{BITS}"]
     out = root / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -201,3 +201,10 @@ def test_plan_cli_gpus_names_group_cutting_splits_and_budgets_each_gpu(tmp_path,
     assert cli.main(["plan", str(tmp_path), "--bits", "3", "--group-size", "64", "--gpus", "2", "--gpu-gb",
                      budget]) == 0
     assert "tensor parallel over 2 GPUs" in capsys.readouterr().out
+
+
+def test_calibration_under_tensor_parallelism_is_refused(runs):
+    _, results = runs
+    for record in results["calibrated"]:
+        msg = record.get("error", "")
+        assert "tensor parallelism (tp_plan) does not support" in msg and "save_pretrained" in msg, msg
