@@ -264,3 +264,28 @@ def test_round_to_nearest_after_loading_equals_quantizing_on_load(tiny_llama_dir
     a, b = on_load.state_dict(), after.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hessian_scale_changes_no_bit_and_extreme_scales_stay_finite(monkeypatch):
+    """The rounding depends on the Hessian only up to a factor: at 4**k the bytes are the same, and Hessians of
+    extreme scale (1e100, 1e-100: their float32 inverse factor would underflow or overflow) give the same bytes too,
+    never NaN norms. The sweep runs with one torch thread (its thousands of small operations per weight otherwise
+    wait on the OpenMP team's join at each one on a busy CPU) and leaves the caller's count as it was."""
+    from turboquant_hf import gptq
+
+    hx = _correlated_hessian(256, seed=3).double()
+    w = _weight(48, 256)
+    threads = []
+    sweep = gptq._sweep
+    monkeypatch.setattr(gptq, "_sweep", lambda *a, **k: threads.append(torch.get_num_threads()) or sweep(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        packed, norms = gptq_rotated(w, hx, 3, 128)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert threads == [1]
+    for scale in (4.0**40, 1e100, 1e-100):
+        p, n = gptq_rotated(w, hx * scale, 3, 128)
+        assert torch.isfinite(n).all() and torch.equal(p, packed) and torch.equal(n, norms), scale

@@ -98,6 +98,16 @@ def _inverse_cholesky(h: torch.Tensor, damping: float) -> tuple[torch.Tensor, fl
     raise ValueError("the input Hessian could not be factorized even with strong damping")
 
 
+def _unit_scaled(h: torch.Tensor) -> torch.Tensor:
+    """`h` times the power of four that brings its mean diagonal near 1. The rounding depends on the Hessian only up
+    to a factor, and a power of four changes no bit of it (every step scales exactly, square roots included), while
+    the float32 factor of a Hessian of extreme scale (1e100 or 1e-100) would underflow or overflow into NaN norms."""
+    mean = float(torch.diagonal(h).mean())
+    if not math.isfinite(mean) or mean <= 0:
+        return h
+    return h * 4.0 ** -round(math.log2(mean) / 2)
+
+
 class _Grid:
     """Codebook, boundaries and round-to-nearest's own rotation of the weight for one bit width and group size."""
 
@@ -236,7 +246,7 @@ def gptq_rotated(weight: torch.Tensor, hessian: torch.Tensor, bits=3, group_size
     rows, in_features = weight.shape
     device = weight.device
     grid = _Grid(bits, group_size, device)
-    h = rotate_hessian(prepare_hessian(hessian.to(device), in_features), group_size)
+    h = _unit_scaled(rotate_hessian(prepare_hessian(hessian.to(device), in_features), group_size))
     upper64, lam = _inverse_cholesky(h, damping)
     y0, n0 = grid.rotated(weight, bits)
     padded, ng = y0.shape[1], n0.shape[1]
@@ -249,6 +259,8 @@ def gptq_rotated(weight: torch.Tensor, hessian: torch.Tensor, bits=3, group_size
         values = grid.codebook[index]
         last = sweep == sweeps - 1
         scales = used if last and not fit_norms else _fit_norms(w_rot, values, h, lam, used, group_size)
+    if not bool(torch.isfinite(scales).all()):
+        raise ValueError(f"{name}: the calibrated rounding produced non-finite norms; quantize it to nearest instead")
     packed = codec.pack_indices(index.view(rows * ng, group_size), n_levels)
     return packed, scales
 
