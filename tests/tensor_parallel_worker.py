@@ -19,6 +19,15 @@ def main(out: str, cases: list[str]) -> None:
     import turboquant_hf
 
     rank = int(os.environ["RANK"])
+    tp = turboquant_hf.tensor_parallel
+    arrived = []  # for each full-precision tensor quantized on the fly: whether the loader read only this rank's slice
+    local_source = tp.local_source
+
+    def recording_local_source(target, value):
+        arrived.append(tp.is_local_slice(target, value))
+        return local_source(target, value)
+
+    tp.local_source = recording_local_source
     ids = torch.arange(3, 35).reshape(2, 16) % 200 + 3
     for case in cases:
         name, _, spec = case.partition("=")
@@ -29,6 +38,7 @@ def main(out: str, cases: list[str]) -> None:
             kw["quantization_config"] = turboquant_hf.TurboQuantConfig(bits=int(bits.lstrip("c")), group_size=64,
                                                                        calibration=calibration)
         record = {}
+        arrived.clear()
         try:
             model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=torch.float32, **kw)
         except ValueError as e:
@@ -39,6 +49,7 @@ def main(out: str, cases: list[str]) -> None:
                 record["generated"] = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
             record["packed_bytes"] = turboquant_hf.tensor_parallel.resident_packed_bytes(model)
             record["state_bytes"] = state_bytes(model)
+            record["read_as_slices"] = (sum(arrived), len(arrived))
         torch.save(record, os.path.join(out, f"{name}.{rank}.pt"))
 
 

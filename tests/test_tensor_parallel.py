@@ -208,3 +208,12 @@ def test_calibration_under_tensor_parallelism_is_refused(runs):
     for record in results["calibrated"]:
         msg = record.get("error", "")
         assert "tensor parallelism (tp_plan) does not support" in msg and "save_pretrained" in msg, msg
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_on_the_fly_each_rank_reads_only_its_slice(runs, kind):
+    """Quantizing on the fly, the loader hands each rank only its slice of every split full-precision tensor."""
+    _, results = runs
+    for record in results[f"{kind}_fly"]:
+        sliced, total = record["read_as_slices"]
+        assert total > 0 and sliced == total, f"{sliced} of {total} tensors arrived as this rank's slice"

@@ -115,7 +115,10 @@ class TurboQuantWeight(nn.Module):
             if prefix + name in destination:
                 destination[prefix + name] = own_storage(destination[prefix + name])
         if self.awaiting_dtype is not None:
-            destination[prefix[:-1]] = torch.empty(self.checkpoint_shape, dtype=self.awaiting_dtype, device="meta")
+            # under tensor parallelism a DTensor placeholder, so that the loader reads only this rank's slice
+            make = self.__dict__.get("tp_source_placeholder")
+            destination[prefix[:-1]] = (make(self.awaiting_dtype) if make is not None else
+                                        torch.empty(self.checkpoint_shape, dtype=self.awaiting_dtype, device="meta"))
         elif self.tp_shard is not None and self.tq_packed.is_meta:
             # one rank's slice of a pre-quantized checkpoint: `tensor_parallel.load_shards` reads it, not the loader
             destination.pop(prefix + "tq_packed", None)

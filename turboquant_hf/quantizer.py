@@ -38,7 +38,7 @@ class QuantizeOnLoad(ConversionOps):
             target = model.get_submodule(key)  # the TurboQuantWeight that replaces this tensor
             if missing_keys is not None:
                 missing_keys.discard(key)
-            if tuple(value.shape) != target.checkpoint_shape:
+            if tuple(value.shape) != target.checkpoint_shape and not tensor_parallel.is_local_slice(target, value):
                 self.hf_quantizer.conversion_failures[key] = (
                     f"{key}: checkpoint tensor has shape {tuple(value.shape)}, the model expects "
                     f"{target.checkpoint_shape}"

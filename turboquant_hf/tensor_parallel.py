@@ -171,8 +171,10 @@ def _mesh_info(mesh) -> tuple[int, int, object]:
 
 
 # -- sharding modules -------------------------------------------------------------------------------------------------
-def _shard_weight_(owner: nn.Module, attr: str, spec: ShardSpec) -> TurboQuantWeight:
-    """Replace `owner.<attr>` by a TurboQuantWeight of this rank's slice (on the device of the whole one)."""
+def _shard_weight_(owner: nn.Module, attr: str, spec: ShardSpec, mesh=None, placement=None) -> TurboQuantWeight:
+    """Replace `owner.<attr>` by a TurboQuantWeight of this rank's slice (on the device of the whole one). Quantizing
+    on the fly, `placement` (of the source as the model holds it, `(out, in)` or `(E, out, in)`) lets the loader
+    read only this rank's slice of the full-precision tensor."""
     old: TurboQuantWeight = getattr(owner, attr)
     if old.rotation != "groups":
         raise TensorParallelError(f"TurboQuant: {_name(owner)}.{attr} uses a whole-row Hadamard rotation "
@@ -182,8 +184,30 @@ def _shard_weight_(owner: nn.Module, attr: str, spec: ShardSpec) -> TurboQuantWe
     new.awaiting_dtype = old.awaiting_dtype
     new.source_transposed = old.source_transposed
     new.tp_shard = spec
+    if new.awaiting_dtype is not None and placement is not None:
+        new.__dict__["tp_source_placeholder"] = lambda dtype: _source_placeholder(new, mesh, placement, dtype)
     setattr(owner, attr, new)
     return new
+
+
+def _source_placeholder(w: TurboQuantWeight, mesh, placement, dtype):
+    """The full-precision source of `w` as a meta DTensor split by `placement`: transformers' loader then reads
+    only this rank's slice from the checkpoint (`DtensorShardOperation`)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if w.source_transposed and isinstance(placement, Shard):  # GPT-2 Conv1D stores (in, out)
+        placement = Shard(1 - placement.dim)
+    return distribute_tensor(torch.empty(w.checkpoint_shape, dtype=dtype, device="meta"), mesh, [placement],
+                             src_data_rank=None)
+
+
+def is_local_slice(target: TurboQuantWeight, value: torch.Tensor) -> bool:
+    """Whether `value` already is this rank's slice of `target`'s full-precision source (as stored)."""
+    spec = getattr(target, "tp_shard", None)
+    if spec is None:
+        return False
+    local = spec.local_shape()
+    return tuple(value.shape) == (local[::-1] if target.source_transposed else local)
 
 
 def shard_linear_(module: TurboQuantLinear, style: str, mesh) -> TurboQuantLinear:
@@ -201,7 +225,9 @@ def shard_linear_(module: TurboQuantLinear, style: str, mesh) -> TurboQuantLinea
     else:
         raise TensorParallelError(f"TurboQuant: {name} has the tensor parallel style {style!r}; quantized linear "
                                   f"layers split as {sorted(COLUMN_STYLES) + sorted(ROW_STYLES)}")
-    _shard_weight_(module, "weight", spec)
+    from torch.distributed.tensor import Shard
+
+    _shard_weight_(module, "weight", spec, mesh, Shard(0 if style in COLUMN_STYLES else 1))
     column = style in COLUMN_STYLES
     gather = COLUMN_STYLES.get(style, False)
     replicated_input = ROW_STYLES.get(style, False)
@@ -231,8 +257,12 @@ def shard_experts_(module: TurboQuantExperts, mesh) -> TurboQuantExperts:
                                   "(a turboquant-mlx checkpoint), which tensor parallelism cannot split")
     e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
     start, stop = group_aligned_range(_name(module), "intermediate width", i, module.down_proj.group_size, rank, world)
-    _shard_weight_(module, "gate_up_proj", ShardSpec((e, 2 * i, h), ((start, stop), (i + start, i + stop)), 0, h))
-    _shard_weight_(module, "down_proj", ShardSpec((e, h, i), ((0, h),), start, stop))
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    _shard_weight_(module, "gate_up_proj", ShardSpec((e, 2 * i, h), ((start, stop), (i + start, i + stop)), 0, h),
+                   mesh, _StridedShard(1, split_factor=2))  # each expert's gate rows, then its up rows
+    _shard_weight_(module, "down_proj", ShardSpec((e, h, i), ((0, h),), start, stop), mesh, Shard(2))
     module.__dict__["tp_intermediate"] = (start, stop)
     original = module.forward
 
@@ -273,10 +303,10 @@ def sharded_weights(model: nn.Module) -> dict[str, TurboQuantWeight]:
 
 def local_source(target: TurboQuantWeight, value: torch.Tensor) -> torch.Tensor:
     """This rank's slice of a full-precision checkpoint tensor for `target` (as stored: transposed for Conv1D);
-    the tensor unchanged when `target` holds a whole weight or the shape is not the whole weight's (the caller
-    reports that)."""
+    the tensor unchanged when `target` holds a whole weight, when it is the slice already (the loader read only
+    that, see `_source_placeholder`) or when its shape is not the whole weight's (the caller reports that)."""
     spec = getattr(target, "tp_shard", None)
-    if spec is None:
+    if spec is None or is_local_slice(target, value):
         return value
     full = spec.full_shape[::-1] if target.source_transposed else spec.full_shape
     if tuple(value.shape) != tuple(full):
