@@ -139,3 +139,26 @@ def test_parameters_on_meta_keep_buffers(tiny_llama_dir):
     assert model.model.rotary_emb.inv_freq.device.type == "cpu"
     assert resident_bytes(model) == sum(b.numel() * b.element_size() for b in model.buffers())
     assert not torch.nn.Linear(2, 2).weight.is_meta  # the patch is gone
+
+
+def test_interrupted_calibration_resumes_to_the_same_bytes(tiny_llama_dir, tmp_path, monkeypatch):
+    from turboquant_hf import calibrate_streaming
+
+    _convert(tiny_llama_dir, tmp_path / "ref", _config(), dtype=torch.float32, max_shard_size=100_000)
+    release = calibrate_streaming.StreamingCalibration._release
+
+    def interrupt(self, prefix, module):
+        if prefix.endswith(".1"):
+            raise KeyboardInterrupt
+        release(self, prefix, module)
+
+    monkeypatch.setattr(calibrate_streaming.StreamingCalibration, "_release", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _convert(tiny_llama_dir, tmp_path / "out", _config(), dtype=torch.float32, max_shard_size=100_000)
+    assert not (tmp_path / "out").exists() and (tmp_path / ".out.partial").is_dir()
+    monkeypatch.setattr(calibrate_streaming.StreamingCalibration, "_release", release)
+    with pytest.raises(ConversionError, match="cannot resume.*configuration"):  # other calibration data
+        _convert(tiny_llama_dir, tmp_path / "out", _config(n=3), dtype=torch.float32, max_shard_size=100_000,
+                 resume=True)
+    _convert(tiny_llama_dir, tmp_path / "out", _config(), dtype=torch.float32, max_shard_size=100_000, resume=True)
+    _assert_same_tensors(tmp_path / "out", tmp_path / "ref")

@@ -6,6 +6,10 @@ holding the model: the module replacement runs on the meta device to decide what
 source tensor is read in slices of rows with plain file reads (no memory map, so nothing of the source stays
 resident), quantized on the best device available, and written straight to its place in the output shard.
 
+With `quantization_config.calibration`, the planned modules of the decoder blocks are calibrated first, one block's
+weights resident at a time (`calibrate_streaming`), and written through the same shard writer; the bytes equal the
+in-memory calibrated path's. A bit budget (`target_bits_per_weight`) is refused.
+
 Memory: the working set is a few slices of rows in flight: one per worker plus two on CPU (about 32 bytes per
 weight of a slice; slices of 256K weights), eight for a GPU (their source rows and results in reusable page-locked
 host buffers; slices of 16M weights), whatever the size of the tensors or of the model; `max_memory` caps it.
@@ -312,7 +316,8 @@ class StreamingQuantizer(_QuantizerBase):
         smaller than the largest source tensor. resume: keep the finished shards of an interrupted run into the
         same `save_dir` (same source, config and shard size), write the rest. overwrite: replace an existing
         `save_dir` once the new one is complete. dtype: cast the tensors kept in full precision (default: as
-        stored). build_info: `{"command", "recipe"}` for the model card's build record.
+        stored); with calibration, also the dtype the blocks run in (as `from_pretrained(dtype=...)`). build_info:
+        `{"command", "recipe"}` for the model card's build record.
         """
         cfg = quantization_config or TurboQuantConfig()
         self._check_budget(max_memory)
