@@ -68,7 +68,7 @@ def test_dense_llama_equals_the_in_memory_path(tiny_llama_dir, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     buffers = sum(b.numel() * b.element_size() for b in base.buffers())
     embeddings, block = _float_bytes(base.model.embed_tokens), _float_bytes(base.model.layers[0])
-    assert summary.calibrated_blocks == 2
+    assert summary.calibrated_blocks == 2 and "calibrated 2 blocks" in summary.text()
     assert max(embeddings, block) <= summary.peak_resident_weights <= max(embeddings, block) + buffers
     assert summary.peak_resident_weights < _float_bytes(base) / 2
     with torch.no_grad():

@@ -118,11 +118,13 @@ class ConversionSummary:
         from .card import human_bytes, human_count
 
         resumed = f", {self.shards_resumed} of them kept from the interrupted run" if self.shards_resumed else ""
+        calibrated = (f"; calibrated {self.calibrated_blocks} blocks, at most {human_bytes(self.peak_resident_weights)}"
+                      " of weights resident" if self.calibrated_blocks else "")
         return (f"quantized {human_count(self.params_quantized)} params, kept {human_count(self.params_kept)} in "
                 f"full precision; {human_bytes(self.bytes_in)} in, {human_bytes(self.bytes_out)} out in "
                 f"{len(self.shards)} shard{'s' if len(self.shards) != 1 else ''}{resumed}; "
                 f"{self.bits_per_weight:.3f} bits per weight ({self.bits_per_quantized_weight:.3f} in the quantized "
-                f"ones); {self.seconds:.1f} s, "
+                f"ones){calibrated}; {self.seconds:.1f} s, "
                 f"{human_count(self.params_per_second)} params/s on {self.device}")
 
 
