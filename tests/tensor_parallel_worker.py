@@ -1,8 +1,9 @@
 """One rank of the tensor parallel tests (`tests/test_tensor_parallel.py` runs two of them with torchrun, gloo).
 
 `python -m torch.distributed.run --nproc-per-node 2 tensor_parallel_worker.py OUT CASE...`, each CASE
-`name=directory[:bits]`: the model in `directory` loads with `tp_plan="auto"` (quantized on the fly at `bits` when
-given, `c<bits>` with calibration, else pre-quantized); rank r writes `OUT/name.r.pt` with its logits on fixed
+`name=directory[:bits]`: the model in `directory` loads with `tp_plan="auto"` (names starting `ep_`: with the
+experts split by expert, `expert_parallel_config`), quantized on the fly at `bits` when given (`c<bits>`: with
+calibration), else pre-quantized; rank r writes `OUT/name.r.pt` with its logits on fixed
 tokens, a greedy continuation, its resident packed bytes and state-dict bytes, or the error the load raised."""
 
 import os
@@ -39,8 +40,12 @@ def main(out: str, cases: list[str]) -> None:
                                                                        calibration=calibration)
         record = {}
         arrived.clear()
+        if name.startswith("ep_"):  # expert parallelism over the same two ranks
+            kw["distributed_config"] = expert_parallel_config()
+        else:
+            kw["tp_plan"] = "auto"
         try:
-            model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=torch.float32, **kw)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kw)
         except ValueError as e:
             record["error"] = f"{type(e).__name__}: {e}"
         else:
@@ -50,7 +55,29 @@ def main(out: str, cases: list[str]) -> None:
             record["packed_bytes"] = turboquant_hf.tensor_parallel.resident_packed_bytes(model)
             record["state_bytes"] = state_bytes(model)
             record["read_as_slices"] = (sum(arrived), len(arrived))
+            record["experts"] = [m.__dict__["tp_experts"] for m in model.modules() if "tp_experts" in m.__dict__]
+            record["expert_bytes"] = expert_bytes(model)
         torch.save(record, os.path.join(out, f"{name}.{rank}.pt"))
+
+
+def expert_parallel_config():
+    """Tensor parallel size 2 with the experts split by expert: `ep_size=2` (transformers 5.21 and later) or
+    `enable_expert_parallel=True` (before)."""
+    import inspect
+
+    from transformers.distributed import DistributedConfig
+
+    if "ep_size" in inspect.signature(DistributedConfig).parameters:
+        return DistributedConfig(tp_size=2, ep_size=2)
+    return DistributedConfig(tp_size=2, enable_expert_parallel=True)
+
+
+def expert_bytes(model) -> int:
+    """Packed bytes of the fused experts this rank holds."""
+    from turboquant_hf.modules import TurboQuantExperts
+    from turboquant_hf.tensor_parallel import resident_packed_bytes
+
+    return sum(resident_packed_bytes(m) for m in model.modules() if isinstance(m, TurboQuantExperts))
 
 
 def state_bytes(model) -> int:

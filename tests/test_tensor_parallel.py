@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import tensor_parallel_worker as worker
 import torch
 
 import turboquant_hf
@@ -57,6 +58,7 @@ def _qwen3_5_moe():
 
 
 MODELS = {"llama": lambda: _llama(384), "qwen3_moe": _qwen3_moe, "qwen3_5_moe": _qwen3_5_moe}
+EXPERT_MODELS = ("qwen3_moe", "qwen3_5_moe")
 IDS = torch.arange(3, 35).reshape(2, 16) % 200 + 3  # the worker's tokens
 
 
@@ -95,8 +97,10 @@ def runs(tmp_path_factory):
         with torch.no_grad():
             reference[kind] = (model(IDS).logits, tp.resident_packed_bytes(model))
         model.save_pretrained(pre)
-        reference[kind] += (_plan(pre),)
+        reference[kind] += (_plan(pre), worker.expert_bytes(model))
         cases += [f"{kind}_fly={src}:{BITS}", f"{kind}_pre={pre}"]
+        if kind in EXPERT_MODELS:
+            cases += [f"ep_{kind}_fly={src}:{BITS}", f"ep_{kind}_pre={pre}"]
     cut = str(root / "llama_cut")  # intermediate 352: 176 inputs of down_proj per rank, not a multiple of 64
     _spread(_llama(352)).save_pretrained(cut)
     cases += [f"cut={cut}:{BITS}", f"calibrated={root / 'llama'}:c{BITS}"]
@@ -217,3 +221,22 @@ def test_on_the_fly_each_rank_reads_only_its_slice(runs, kind):
     for record in results[f"{kind}_fly"]:
         sliced, total = record["read_as_slices"]
         assert total > 0 and sliced == total, f"{sliced} of {total} tensors arrived as this rank's slice"
+
+
+@pytest.mark.parametrize("kind", EXPERT_MODELS)
+@pytest.mark.parametrize("source", ["fly", "pre"])
+def test_expert_parallel_keeps_whole_experts_per_rank(runs, kind, source):
+    """With the model's expert-parallel plan (`ep_size=2`, or `enable_expert_parallel` before transformers 5.21)
+    each rank holds half of the experts, whole (half of their packed bytes), and the logits equal one process's.
+    (Before 5.21 that plan splits only the experts: attention stays whole on each rank.)"""
+    reference, results = runs
+    logits = reference[kind][0]
+    bound = TOL * (1 + logits.abs().max().item())
+    for rank, record in enumerate(results[f"ep_{kind}_{source}"]):
+        assert "error" not in record, record.get("error")
+        assert (record["logits"] - logits).abs().max().item() <= bound, rank
+        (start, stop), = set(record["experts"])  # the same experts of every layer
+        assert record["experts"] and (start, stop) == (rank * (stop - start), (rank + 1) * (stop - start))
+    whole = reference[kind][3]
+    for record in results[f"ep_{kind}_{source}"]:
+        assert 2 * record["expert_bytes"] == whole

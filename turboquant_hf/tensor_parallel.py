@@ -50,21 +50,30 @@ class TensorParallelError(ValueError):
 @dataclass(frozen=True)
 class ShardSpec:
     """This rank's slice of a weight viewed as `(blocks, rows, in_features)` (blocks: experts, or 1 for a Linear):
-    the rows `row_ranges` (concatenated, in order) and the input columns `[col_start, col_stop)`."""
+    the blocks `[block_start, block_stop)` (expert parallelism), in each the rows `row_ranges` (concatenated, in
+    order) and the input columns `[col_start, col_stop)`."""
 
     full_shape: tuple  # the whole weight's `source_shape`
     row_ranges: tuple
     col_start: int
     col_stop: int
+    block_start: int = 0
+    block_stop: int | None = None
 
     @property
     def blocks(self) -> int:
+        """Blocks of the whole weight."""
         return self.full_shape[0] if len(self.full_shape) == 3 else 1
+
+    @property
+    def block_range(self) -> tuple[int, int]:
+        return self.block_start, self.blocks if self.block_stop is None else self.block_stop
 
     def local_shape(self) -> tuple:
         rows = sum(b - a for a, b in self.row_ranges)
         shape = (rows, self.col_stop - self.col_start)
-        return (self.blocks, *shape) if len(self.full_shape) == 3 else shape
+        b0, b1 = self.block_range
+        return (b1 - b0, *shape) if len(self.full_shape) == 3 else shape
 
 
 def chunk_range(size: int, rank: int, world: int) -> tuple[int, int]:
@@ -101,6 +110,7 @@ def route_parallel_plans(model: nn.Module) -> None:
     for key, style in list(plan.items()):
         if style in COLUMN_STYLES or style in ROW_STYLES or style in EXPERT_STYLES or style in CHILD_STYLES:
             plan[key] = register_style(style)
+    route_expert_plans(model)
     patterns = [re.compile(re.escape(k).replace(r"\*", r"\d+") + "$") for k in plan]
     for name, module in model.named_modules():
         if isinstance(module, TurboQuantExperts) and not any(p.match(name) for p in patterns):
@@ -275,6 +285,86 @@ def shard_experts_(module: TurboQuantExperts, mesh) -> TurboQuantExperts:
     return module
 
 
+def shard_experts_by_expert_(module: TurboQuantExperts, mesh) -> tuple[int, int, object]:
+    """Expert parallelism: keep this rank's experts (`num_experts / world` consecutive ones, whole), as
+    transformers' `grouped_gemm` does; `num_experts` becomes the local count (routers hand local ids, the count
+    itself meaning "not on this rank"). Returns (rank, world, group)."""
+    from torch.distributed.tensor import Shard
+
+    rank, world, group = _mesh_info(mesh)
+    e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
+    if module.rotation != "groups":
+        raise TensorParallelError(f"TurboQuant: {_name(module)} uses a whole-row Hadamard rotation "
+                                  "(a turboquant-mlx checkpoint), which expert parallelism does not split")
+    if e % world:
+        raise TensorParallelError(f"TurboQuant: {_name(module)} has {e} experts, which {world} expert-parallel "
+                                  "ranks cannot share evenly")
+    b0, b1 = rank * (e // world), (rank + 1) * (e // world)
+    _shard_weight_(module, "gate_up_proj", ShardSpec((e, 2 * i, h), ((0, 2 * i),), 0, h, b0, b1), mesh, Shard(0))
+    _shard_weight_(module, "down_proj", ShardSpec((e, h, i), ((0, h),), 0, i, b0, b1), mesh, Shard(0))
+    module.num_experts = b1 - b0
+    module.__dict__["tp_experts"] = (b0, b1)
+    return rank, world, group
+
+
+class ExpertParallelStyle(TurboQuantStyle):
+    """transformers 5.17's expert-parallel plan (`enable_expert_parallel=True`): `moe_tp_experts` on the experts
+    after an `ep_router` that hands each rank local expert ids: a TurboQuant experts module keeps its own experts
+    and the partial outputs are summed across ranks."""
+
+    def install_forward(self, module, mesh, *args, **kwargs):
+        if not isinstance(module, TurboQuantExperts):
+            return super().install_forward(module, mesh, *args, **kwargs)
+        _, _, group = shard_experts_by_expert_(module, mesh)
+        original = module.forward
+
+        def ep_forward(hidden_states, top_k_index, top_k_weights, *a, **kw):
+            y = original(_local(hidden_states), _local(top_k_index), _local(top_k_weights), *a, **kw)
+            dist.all_reduce(y, group=group)
+            return y
+
+        module.forward = ep_forward
+        return module
+
+
+class ExpertDispatchStyle:
+    """transformers' `ep_dispatch_experts` (5.21 and later): for a TurboQuant experts module, keep its own experts
+    first, then let transformers' dispatch (which reads the local expert count) wrap it; other modules unchanged."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __getattr__(self, attr):
+        return getattr(self.__dict__["original"], attr)
+
+    def install_forward(self, module, ep_mesh, *args, **kwargs):
+        if isinstance(module, TurboQuantExperts):
+            shard_experts_by_expert_(module, ep_mesh)
+        return self.original.install_forward(module, ep_mesh, *args, **kwargs)
+
+
+def route_expert_plans(model: nn.Module) -> None:
+    """The expert-parallel plan: 5.17's `moe_tp_experts` through `ExpertParallelStyle`; 5.21+'s
+    `ep_dispatch_experts` (looked up by that name, so the registered style is wrapped, for every model: it only
+    changes what happens to TurboQuant experts)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    plan = getattr(model, "_ep_plan", None)
+    if not plan or not any(isinstance(m, TurboQuantExperts) for m in model.modules()):
+        return
+    for key, style in list(plan.items()):
+        if style == "moe_tp_experts":
+            name = STYLE_PREFIX + "ep_experts"
+            if name not in ALL_PARALLEL_STYLES:
+                type(ALL_PARALLEL_STYLES).register(name, ExpertParallelStyle(style, ALL_PARALLEL_STYLES.get(style)))
+            plan[key] = name
+        elif style in CHILD_STYLES:
+            plan[key] = register_style(style)
+    original = ALL_PARALLEL_STYLES.get("ep_dispatch_experts")
+    if "ep_dispatch_experts" in plan.values() and not isinstance(original, ExpertDispatchStyle):
+        type(ALL_PARALLEL_STYLES).register("ep_dispatch_experts", ExpertDispatchStyle(original))
+
+
 def _local(t):
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -312,7 +402,8 @@ def local_source(target: TurboQuantWeight, value: torch.Tensor) -> torch.Tensor:
     if tuple(value.shape) != tuple(full):
         return value
     v = value.t() if target.source_transposed else value
-    v = v.reshape(spec.blocks, *spec.full_shape[-2:])
+    b0, b1 = spec.block_range
+    v = v.reshape(spec.blocks, *spec.full_shape[-2:])[b0:b1]
     v = torch.cat([v[:, a:b, spec.col_start:spec.col_stop] for a, b in spec.row_ranges], dim=1)
     v = v.reshape(spec.local_shape())
     return v.t().contiguous() if target.source_transposed else v.contiguous()
@@ -352,7 +443,8 @@ def _read_slices(info: dict, spec: ShardSpec, group_size: int, per_group: int) -
     g0, g1 = spec.col_start // group_size, -(-spec.col_stop // group_size)
     raw = np.memmap(info["file"], dtype=np.uint8, mode="r", offset=info["start"],
                     shape=(blocks, rows, n_groups, per_group * item))
-    parts = [np.ascontiguousarray(raw[:, a:b, g0:g1]) for a, b in spec.row_ranges]
+    b0, b1 = spec.block_range
+    parts = [np.ascontiguousarray(raw[b0:b1, a:b, g0:g1]) for a, b in spec.row_ranges]
     out = torch.from_numpy(np.concatenate(parts, axis=1)).view(dtype)
     del raw
     return out.reshape(-1, per_group) if per_group > 1 else out.reshape(-1, g1 - g0)
