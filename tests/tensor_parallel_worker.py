@@ -57,6 +57,10 @@ def main(out: str, cases: list[str]) -> None:
             record["read_as_slices"] = (sum(arrived), len(arrived))
             record["experts"] = [m.__dict__["tp_experts"] for m in model.modules() if "tp_experts" in m.__dict__]
             record["expert_bytes"] = expert_bytes(model)
+            try:
+                model.save_pretrained(os.path.join(out, f"saved_{name}_{rank}"))
+            except ValueError as e:
+                record["save_error"] = str(e)
         torch.save(record, os.path.join(out, f"{name}.{rank}.pt"))
 
 

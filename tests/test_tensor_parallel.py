@@ -240,3 +240,10 @@ def test_expert_parallel_keeps_whole_experts_per_rank(runs, kind, source):
     whole = reference[kind][3]
     for record in results[f"ep_{kind}_{source}"]:
         assert 2 * record["expert_bytes"] == whole
+
+
+def test_saving_a_ranks_slices_is_refused(runs):
+    _, results = runs
+    for name in ("llama_fly", "qwen3_5_moe_pre", "ep_qwen3_moe_fly"):
+        for record in results[name]:
+            assert "saved from it would be partial" in record.get("save_error", ""), name

@@ -216,6 +216,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         for p in model.parameters():
             p.requires_grad_(False)
         saving.install_save_hooks(model)
+        tensor_parallel.refuse_saving_slices(model)
         model.num_parameters = types.MethodType(_num_parameters, model)
         return model
 

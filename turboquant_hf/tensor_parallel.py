@@ -481,3 +481,20 @@ def resident_packed_bytes(model: nn.Module) -> int:
     """Bytes of the packed indices and norms this process holds."""
     return sum(m.tq_packed.numel() * m.tq_packed.element_size() + m.tq_norms.numel() * m.tq_norms.element_size()
                for m in model.modules() if isinstance(m, TurboQuantWeight))
+
+
+def refuse_saving_slices(model: nn.Module) -> None:
+    """A model holding one rank's slices would save a partial checkpoint: its `save_pretrained` and `push_to_hub`
+    raise instead."""
+    if not sharded_weights(model):
+        return
+
+    def refuse(*args, **kwargs):
+        raise TensorParallelError(
+            "TurboQuant: this model holds one tensor-parallel rank's slices of its packed weights, so a checkpoint "
+            "saved from it would be partial; save from one process (from_pretrained without tp_plan), where the "
+            "whole weights are"
+        )
+
+    model.save_pretrained = refuse
+    model.push_to_hub = refuse
