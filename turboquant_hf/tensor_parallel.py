@@ -451,7 +451,9 @@ def _read_slices(info: dict, spec: ShardSpec, group_size: int, per_group: int) -
 
 
 def load_shards(model: nn.Module, index: dict) -> None:
-    """Fill every sharded TurboQuant weight still on the meta device from a pre-quantized checkpoint."""
+    """Fill every sharded TurboQuant weight still on the meta device from a pre-quantized checkpoint, on the device
+    the rest of the model was loaded to (this rank's)."""
+    device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     for name, w in sharded_weights(model).items():
         if not w.tq_packed.is_meta:
             continue
@@ -463,8 +465,8 @@ def load_shards(model: nn.Module, index: dict) -> None:
         bpg = fmt.bytes_per_group(w.n_levels, w.group_size)
         packed = _read_slices(index[key + fmt.PACKED_SUFFIX], spec, w.group_size, bpg)
         norms = _read_slices(index[key + fmt.NORMS_SUFFIX], spec, w.group_size, 1)
-        w.tq_packed = packed
-        w.tq_norms = norms.to(w.norms_dtype)
+        w.tq_packed = packed.to(device)
+        w.tq_norms = norms.to(device=device, dtype=w.norms_dtype)
 
 
 def deferred_keys(model: nn.Module, index: dict) -> set[str]:
