@@ -41,9 +41,22 @@ from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
 from .config import TurboQuantConfig
-from .shards import (DTYPE_NAMES, INDEX_NAME, TORCH_DTYPES, ConversionError, HostBuffers, SliceWriter, SourceReader,
-                     move_into_place, open_partial, peak_rss, run_record, shard_layout, source_index)
-from .shards import STATE_NAME  # noqa: F401  (the run record's file name, in the partial folder: for callers)
+from .shards import (
+    DTYPE_NAMES,
+    INDEX_NAME,
+    STATE_NAME,  # noqa: F401  (the run record's file name, in the partial folder: for callers)
+    TORCH_DTYPES,
+    ConversionError,
+    HostBuffers,
+    SliceWriter,
+    SourceReader,
+    move_into_place,
+    open_partial,
+    peak_rss,
+    run_record,
+    shard_layout,
+    source_index,
+)
 
 try:  # optimum's quantizer interface, when the installed optimum has it
     from optimum.quantization_base import OptimumQuantizer as _QuantizerBase
@@ -252,7 +265,7 @@ class StreamingQuantizer(_QuantizerBase):
         missing = set(modules) - found
         if missing:
             raise ConversionError(
-                f"{self.source_dir}: no source tensor for {sorted(missing)[0]} (and {len(missing) - 1} more); "
+                f"{self.source_dir}: no source tensor for {min(missing)} (and {len(missing) - 1} more); "
                 "layouts that transformers transforms while loading, other than per-expert experts, are not streamed yet"
             )
         for name, w in targets.items():
@@ -435,7 +448,7 @@ class StreamingQuantizer(_QuantizerBase):
                                                command=info.get("command"), recipe=info.get("recipe")), f, indent=2)
             tq_card.write_card(out_dir, base_model=base_model, repo_id=info.get("repo_id"),
                                name=os.path.basename(save_dir), source_dir=self.source_dir)
-        except Exception as e:  # the weights are complete; a card that cannot be rendered must not lose them
+        except Exception as e:  # noqa: BLE001  (the weights are complete; a card that cannot be rendered must not lose them)
             import warnings
 
             warnings.warn(f"TurboQuant: converted the model but could not write its model card: {e}")
@@ -612,7 +625,7 @@ class _SlicePipeline:
         else:
             pair, rows = result
             packed, norms, ready = self.on_device(unit, t, a, b, pair, rows)
-            release = lambda pair=pair: self.buffers.give(pair)  # noqa: E731
+            release = lambda pair=pair: self.buffers.give(pair)
         (pname, _, pshape), (nname, _, _) = unit.outputs
         row = offset + a
         n_groups = pshape[0] // unit.target.rows
