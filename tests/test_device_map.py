@@ -2,7 +2,8 @@
 a layer's tensors in for its forward), for a dense and an MoE TurboQuant model, quantized on the fly and
 pre-quantized. The offloaded model's logits equal the resident model's exactly, `generate` runs, the packed tensors
 of disk layers are not resident (`offload_buffers=True`) and are counted by `get_memory_footprint` as packed bytes;
-saved from the offloaded model and loaded again, the checkpoint holds the same bytes."""
+saved from the offloaded model and loaded again, the checkpoint holds the same bytes; `device_map="auto"` sizes
+layers by their packed bytes."""
 
 import pytest
 import torch
@@ -114,3 +115,26 @@ def test_disk_without_offload_buffers_keeps_packed_tensors_resident(sources, tmp
     assert not any(p.is_meta for p, _ in _packed(model).values())
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, resident(IDS).logits)
+
+
+def test_auto_device_map_sizes_layers_by_their_packed_bytes(sources, tmp_path):
+    """`device_map="auto"` under a CPU budget: a budget the packed model fits (but not its float32 weights) keeps
+    every layer in memory, quantized on the fly or pre-quantized alike; a smaller one offloads the later layers, and
+    the model computes the same."""
+    from transformers import AutoModelForCausalLM
+
+    root, resident = sources
+    footprint = resident.get_memory_footprint()
+    assert footprint * 2 < resident.float_footprint
+    maps = {}
+    for budget in (int(footprint * 1.5), int(footprint * 0.8)):
+        for source, kw in (("fly", {"quantization_config": _config()}), ("pre", {})):
+            model = AutoModelForCausalLM.from_pretrained(
+                root / ("float" if source == "fly" else "tq"), dtype=torch.float32, device_map="auto",
+                max_memory={"cpu": budget}, offload_folder=str(tmp_path / f"{source}{budget}"), offload_buffers=True,
+                **kw)
+            maps[budget, source] = set(getattr(model, "hf_device_map", {"": "cpu"}).values())
+            with torch.no_grad():
+                assert torch.equal(model(IDS).logits, resident(IDS).logits), (budget, source)
+    assert maps[int(footprint * 1.5), "fly"] == maps[int(footprint * 1.5), "pre"] == {"cpu"}
+    assert maps[int(footprint * 0.8), "fly"] == maps[int(footprint * 0.8), "pre"] == {"cpu", "disk"}
