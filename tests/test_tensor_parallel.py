@@ -29,16 +29,18 @@ def _spread(model, seed=0):
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2 and "conv1d" not in name:
+            if (p.dim() >= 2 and "conv1d" not in name) or name.endswith(".bias"):
                 p.normal_(0, 0.05)
     return model
 
 
 def _llama(intermediate_size):
+    """Tiny Llama with biases everywhere (column-wise biases split, row-wise ones added once after the sum)."""
     from conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(tiny_llama_config(intermediate_size=intermediate_size))
+    return LlamaForCausalLM(tiny_llama_config(intermediate_size=intermediate_size, attention_bias=True,
+                                              mlp_bias=True))
 
 
 def _qwen3_moe():

@@ -210,7 +210,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
                 module.use_runtime_layout_()
         self._restore_requested_dtype(model)
         self._dequantize_into_parameters(model)
-        if settings.fuse_projections():  # q/k/v and gate/up as one op each on a GPU
+        # q/k/v and gate/up as one op each on a GPU (not for one rank's slices: their forward is tensor_parallel's)
+        if settings.fuse_projections() and not tensor_parallel.sharded_weights(model):
             fuse_projections(model, device_type="cuda")
         _drop_expert_converters_for_saving(model)
         for p in model.parameters():

@@ -247,7 +247,8 @@ def shard_linear_(module: TurboQuantLinear, style: str, mesh) -> TurboQuantLinea
         weight = module.weight
         if not column and replicated_input:
             x = x[..., spec.col_start:spec.col_stop]
-        bias = _local(module.bias) if module.bias is not None else None
+        bias = module.bias  # this rank's slice (column-wise) or the whole bias (row-wise)
+        bias = getattr(bias, "_local_tensor", bias)
         y = group_linear(x, weight.tq_packed, weight.tq_norms, bias if column else None, weight.n_levels,
                          weight.group_size, weight.in_features, weight.runtime_layout)
         if column:
