@@ -153,6 +153,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | unexpected
         model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | missing
         self.mlx_layout = layout
+        tensor_parallel.route_parallel_plans(model)  # (whole-row rotations: refused by name under tp_plan)
         model._turboquant_original_model = getattr(config, "_name_or_path", None)
 
     # -- during loading ------------------------------------------------------------------------------------------
