@@ -249,3 +249,21 @@ def test_saving_a_ranks_slices_is_refused(runs):
     for name in ("llama_fly", "qwen3_5_moe_pre", "ep_qwen3_moe_fly"):
         for record in results[name]:
             assert "saved from it would be partial" in record.get("save_error", ""), name
+
+
+def test_whole_row_rotation_is_refused_by_name():
+    """turboquant-mlx weights rotate whole input rows, which no split preserves."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from turboquant_hf.modules import TurboQuantLinear
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layer = TurboQuantLinear(128, 64, bias=False, bits=3, group_size=64, device="meta", rotation="hadamard")
+        layer.__dict__["_tq_name"] = "model.layers.0.mlp.up_proj"
+        with pytest.raises(tp.TensorParallelError, match=r"model\.layers\.0\.mlp\.up_proj\.weight uses a whole-row"):
+            tp.shard_linear_(layer, "colwise", mesh)
+    finally:
+        dist.destroy_process_group()
