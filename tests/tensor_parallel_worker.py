@@ -52,6 +52,9 @@ def main(out: str, cases: list[str]) -> None:
             with torch.no_grad():
                 record["logits"] = model(ids).logits
                 record["generated"] = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
+                if name.startswith("llama"):  # a static cache is sized by the KV heads of one rank
+                    record["generated_static"] = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False,
+                                                                cache_implementation="static")
             record["packed_bytes"] = turboquant_hf.tensor_parallel.resident_packed_bytes(model)
             record["state_bytes"] = state_bytes(model)
             record["read_as_slices"] = (sum(arrived), len(arrived))

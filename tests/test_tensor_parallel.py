@@ -132,6 +132,9 @@ def test_logits_equal_one_process(runs, kind, source):
         assert diff <= bound, f"rank {rank}: max |logit difference| {diff:.3g} > {bound:.3g}"
     first, second = (r["generated"] for r in results[f"{kind}_{source}"])
     assert torch.equal(first, second) and first.shape == (1, 12)
+    for record in results[f"{kind}_{source}"]:
+        if "generated_static" in record:  # a static cache, sized for this rank by transformers
+            assert torch.equal(record["generated_static"], first)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

@@ -1,10 +1,11 @@
 """Tensor parallelism for TurboQuant modules under transformers' tp plans (`from_pretrained(..., tp_plan="auto")`).
 
 transformers shards parameters as DTensors and wraps module forwards by the style names of the model's tp plan.
-TurboQuant weights are packed buffers of a child module, which those styles cannot split, so the quantizer routes
-the plan's entries through `TurboQuantStyle` (style names prefixed `turboquant:`): for an ordinary module it does
-exactly what transformers' style does; for a TurboQuant module it keeps this rank's slice of the packed rows and
-norms as plain tensors and computes with them:
+TurboQuant weights are packed buffers of a child module, which those styles cannot split, so when a TurboQuant model
+loads, the styles its plans name are wrapped in `TurboQuantStyle`, registered under the same names (so that
+transformers' checks by style name still hold): for any other module it does exactly what transformers' style
+does; for a TurboQuant module it keeps this rank's slice of the packed rows and norms as plain tensors and computes
+with them:
 
 - column-wise (`colwise`, `colwise_rep`, `colwise_gather_output`): the output rows are split (packed rows and
   norms together, `torch.chunk` sizes like transformers' `Shard(0)`); `*_rep` / `*_gather_output` gather the
@@ -12,9 +13,11 @@ norms as plain tensors and computes with them:
 - row-wise (`rowwise`, `rowwise_rep`, `rowwise_split_input`): the input width is split on group boundaries; a
   split that would cut a group is refused (`TensorParallelError`, naming the layer and the sizes). The partial
   products are summed across ranks (all-reduce), then the bias is added once.
-- fused MoE experts (`moe_tp_experts`, and every TurboQuant experts module the plan does not name): each expert's
-  intermediate width is split: its gate and up rows, and down's input width on group boundaries; the partial
-  outputs are summed across ranks.
+- fused MoE experts (`moe_tp_experts`, and every TurboQuant experts module the plan does not name, as
+  `turboquant_experts`): each expert's intermediate width is split: its gate and up rows, and down's input width
+  on group boundaries; the partial outputs are summed across ranks.
+- expert parallelism (the model's expert plan: `ep_dispatch_experts` from transformers 5.21, 5.17's
+  `enable_expert_parallel` plan): each rank keeps whole experts, `num_experts / world` of them.
 
 Each rank reads only its slice of a pre-quantized checkpoint (`load_shards`, byte ranges of the safetensors files
 through a memory map); quantizing on the fly, each rank quantizes only its slice of the full-precision tensor
@@ -34,7 +37,7 @@ from torch import nn
 from . import format as fmt
 from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight, group_linear
 
-STYLE_PREFIX = "turboquant:"
+ADDED_EXPERTS_STYLE = "turboquant_experts"  # the plan entry given to TurboQuant experts the plan does not name
 COLUMN_STYLES = {"colwise": False, "colwise_rep": True, "colwise_gather_output": True}  # style: gathers the output
 ROW_STYLES = {"rowwise": False, "rowwise_rep": True, "rowwise_split_input": True}  # style: input is replicated
 EXPERT_STYLES = ("moe_tp_experts",)
@@ -98,34 +101,39 @@ def group_aligned_range(name: str, what: str, size: int, group_size: int, rank: 
 
 # -- the plan ---------------------------------------------------------------------------------------------------------
 def route_parallel_plans(model: nn.Module) -> None:
-    """Route the model's tp plan through `TurboQuantStyle` and give every TurboQuant experts module the plan has no
-    entry for the intermediate split. Names the modules (for errors). Harmless when no tensor parallelism runs:
-    the plan is only read by transformers when it shards the model."""
+    """Wrap the styles the model's tp and expert plans name in `TurboQuantStyle` and give every TurboQuant experts
+    module the tp plan has no entry for the intermediate split. Names the modules (for errors) and records the model
+    config on experts (5.17 sets `distributed_config.enable_expert_parallel` on it before sharding). Harmless when
+    no parallelism runs: transformers reads the plans only when it shards the model."""
     plan = getattr(model, "_tp_plan", None)
     if plan is None:
         return
     for name, module in model.named_modules():
         if isinstance(module, (TurboQuantLinear, TurboQuantExperts)):
             module.__dict__["_tq_name"] = name
-    for key, style in list(plan.items()):
-        if style in COLUMN_STYLES or style in ROW_STYLES or style in EXPERT_STYLES or style in CHILD_STYLES:
-            plan[key] = register_style(style)
-    route_expert_plans(model)
+            module.__dict__["_tq_model_config"] = model.config
+    for plan_ in (plan, getattr(model, "_ep_plan", None) or {}):
+        for style in set(plan_.values()):
+            if style in COLUMN_STYLES or style in ROW_STYLES or style in EXPERT_STYLES or style in CHILD_STYLES:
+                wrap_style(style)
+    if "ep_dispatch_experts" in (getattr(model, "_ep_plan", None) or {}).values():
+        wrap_style("ep_dispatch_experts", ExpertDispatchStyle)
     patterns = [re.compile(re.escape(k).replace(r"\*", r"\d+") + "$") for k in plan]
     for name, module in model.named_modules():
         if isinstance(module, TurboQuantExperts) and not any(p.match(name) for p in patterns):
-            plan[re.sub(r"\.\d+\.", ".*.", name)] = register_style("moe_tp_experts")
+            plan[re.sub(r"\.\d+\.", ".*.", name)] = wrap_style(ADDED_EXPERTS_STYLE)
 
 
-def register_style(style: str) -> str:
-    """Register `turboquant:<style>` with transformers (once) and return its name."""
+def wrap_style(style: str, kind=None) -> str:
+    """Register `kind` (`TurboQuantStyle`) wrapping transformers' style `style` under the same name (once, for
+    the process: the wrapper changes nothing for modules other than TurboQuant's); returns the name."""
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    name = STYLE_PREFIX + style
-    if name not in ALL_PARALLEL_STYLES:
-        original = ALL_PARALLEL_STYLES.get(style)
-        type(ALL_PARALLEL_STYLES).register(name, TurboQuantStyle(style, original))
-    return name
+    kind = kind or TurboQuantStyle
+    original = ALL_PARALLEL_STYLES.get(style)
+    if not isinstance(original, kind):
+        type(ALL_PARALLEL_STYLES).register(style, kind(style, original))
+    return style
 
 
 class TurboQuantStyle:
@@ -162,9 +170,12 @@ class TurboQuantStyle:
         if isinstance(module, TurboQuantLinear):
             return shard_linear_(module, self.style, mesh)
         if isinstance(module, TurboQuantExperts):
-            if self.style not in EXPERT_STYLES:
+            if self.style not in (*EXPERT_STYLES, ADDED_EXPERTS_STYLE):
                 raise TensorParallelError(f"TurboQuant: {_name(module)} (fused experts) has the tensor parallel "
                                           f"style {self.style!r}; experts split only as {EXPERT_STYLES}")
+            distributed = getattr(module.__dict__.get("_tq_model_config"), "distributed_config", None)
+            if getattr(distributed, "enable_expert_parallel", False):  # 5.17's expert plan (after its ep_router)
+                return shard_experts_by_expert_(module, mesh, all_reduce=True)
             return shard_experts_(module, mesh)
         if self.original is None:
             raise TensorParallelError(f"TurboQuant: tensor parallel style {self.style!r} is unknown to transformers")
@@ -286,10 +297,11 @@ def shard_experts_(module: TurboQuantExperts, mesh) -> TurboQuantExperts:
     return module
 
 
-def shard_experts_by_expert_(module: TurboQuantExperts, mesh) -> tuple[int, int, object]:
+def shard_experts_by_expert_(module: TurboQuantExperts, mesh, all_reduce: bool = False) -> TurboQuantExperts:
     """Expert parallelism: keep this rank's experts (`num_experts / world` consecutive ones, whole), as
     transformers' `grouped_gemm` does; `num_experts` becomes the local count (routers hand local ids, the count
-    itself meaning "not on this rank"). Returns (rank, world, group)."""
+    itself meaning "not on this rank"). `all_reduce`: the forward sums the ranks' partial outputs itself (5.17's
+    plan; from 5.21 the `ep_dispatch_experts` implementation does)."""
     from torch.distributed.tensor import Shard
 
     rank, world, group = _mesh_info(mesh)
@@ -305,34 +317,24 @@ def shard_experts_by_expert_(module: TurboQuantExperts, mesh) -> tuple[int, int,
     _shard_weight_(module, "down_proj", ShardSpec((e, h, i), ((0, h),), 0, i, b0, b1), mesh, Shard(0))
     module.num_experts = b1 - b0
     module.__dict__["tp_experts"] = (b0, b1)
-    return rank, world, group
-
-
-class ExpertParallelStyle(TurboQuantStyle):
-    """transformers 5.17's expert-parallel plan (`enable_expert_parallel=True`): `moe_tp_experts` on the experts
-    after an `ep_router` that hands each rank local expert ids: a TurboQuant experts module keeps its own experts
-    and the partial outputs are summed across ranks."""
-
-    def install_forward(self, module, mesh, *args, **kwargs):
-        if not isinstance(module, TurboQuantExperts):
-            return super().install_forward(module, mesh, *args, **kwargs)
-        _, _, group = shard_experts_by_expert_(module, mesh)
+    if all_reduce:
         original = module.forward
 
-        def ep_forward(hidden_states, top_k_index, top_k_weights, *a, **kw):
-            y = original(_local(hidden_states), _local(top_k_index), _local(top_k_weights), *a, **kw)
+        def ep_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            y = original(_local(hidden_states), _local(top_k_index), _local(top_k_weights), *args, **kwargs)
             dist.all_reduce(y, group=group)
             return y
 
         module.forward = ep_forward
-        return module
+    return module
 
 
 class ExpertDispatchStyle:
     """transformers' `ep_dispatch_experts` (5.21 and later): for a TurboQuant experts module, keep its own experts
     first, then let transformers' dispatch (which reads the local expert count) wrap it; other modules unchanged."""
 
-    def __init__(self, original):
+    def __init__(self, style: str, original):
+        self.style = style
         self.original = original
 
     def __getattr__(self, attr):
@@ -342,28 +344,6 @@ class ExpertDispatchStyle:
         if isinstance(module, TurboQuantExperts):
             shard_experts_by_expert_(module, ep_mesh)
         return self.original.install_forward(module, ep_mesh, *args, **kwargs)
-
-
-def route_expert_plans(model: nn.Module) -> None:
-    """The expert-parallel plan: 5.17's `moe_tp_experts` through `ExpertParallelStyle`; 5.21+'s
-    `ep_dispatch_experts` (looked up by that name, so the registered style is wrapped, for every model: it only
-    changes what happens to TurboQuant experts)."""
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
-
-    plan = getattr(model, "_ep_plan", None)
-    if not plan or not any(isinstance(m, TurboQuantExperts) for m in model.modules()):
-        return
-    for key, style in list(plan.items()):
-        if style == "moe_tp_experts":
-            name = STYLE_PREFIX + "ep_experts"
-            if name not in ALL_PARALLEL_STYLES:
-                type(ALL_PARALLEL_STYLES).register(name, ExpertParallelStyle(style, ALL_PARALLEL_STYLES.get(style)))
-            plan[key] = name
-        elif style in CHILD_STYLES:
-            plan[key] = register_style(style)
-    original = ALL_PARALLEL_STYLES.get("ep_dispatch_experts")
-    if "ep_dispatch_experts" in plan.values() and not isinstance(original, ExpertDispatchStyle):
-        type(ALL_PARALLEL_STYLES).register("ep_dispatch_experts", ExpertDispatchStyle(original))
 
 
 def _local(t):
