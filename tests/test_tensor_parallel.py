@@ -77,6 +77,21 @@ def _plan(directory) -> dict:
     return sizing.plan_stored_memory(config, tensors, gpus=2)["tensor_parallel"]
 
 
+def _with_language_model_prefix(src: str, dst: str) -> str:
+    """A copy of a text-only Qwen3.5-MoE checkpoint with its tensors under `model.language_model.`, as the published
+    multimodal checkpoints name them (the text class loads them through a prefix change)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    renamed = {"model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k: v
+               for k, v in tensors.items()}
+    save_file(renamed, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,6 +118,8 @@ def runs(tmp_path_factory):
         cases += [f"{kind}_fly={src}:{BITS}", f"{kind}_pre={pre}"]
         if kind in EXPERT_MODELS:
             cases += [f"ep_{kind}_fly={src}:{BITS}", f"ep_{kind}_pre={pre}"]
+    prefixed = _with_language_model_prefix(str(root / "qwen3_5_moe_tq"), str(root / "qwen3_5_moe_prefixed"))
+    cases.append(f"qwen3_5_moe_prefixed={prefixed}")
     cut = str(root / "llama_cut")  # intermediate 352: 176 inputs of down_proj per rank, not a multiple of 64
     _spread(_llama(352)).save_pretrained(cut)
     cases += [f"cut={cut}:{BITS}", f"calibrated={root / 'llama'}:c{BITS}"]
@@ -270,3 +287,13 @@ def test_whole_row_rotation_is_refused_by_name():
             tp.shard_linear_(layer, "colwise", mesh)
     finally:
         dist.destroy_process_group()
+
+
+def test_slices_are_found_under_a_renamed_prefix(runs):
+    """Each rank finds its slices when the checkpoint names the tensors `model.language_model.*`."""
+    reference, results = runs
+    logits = reference["qwen3_5_moe"][0]
+    for record in results["qwen3_5_moe_prefixed"]:
+        assert "error" not in record, record.get("error")
+        assert (record["logits"] - logits).abs().max().item() <= TOL * (1 + logits.abs().max().item())
+        assert 2 * record["packed_bytes"] == reference["qwen3_5_moe"][1]

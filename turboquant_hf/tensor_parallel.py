@@ -451,12 +451,13 @@ def load_shards(model: nn.Module, index: dict) -> None:
 
 
 def deferred_keys(model: nn.Module, index: dict) -> set[str]:
-    """Checkpoint names of the packed tensors `load_shards` reads itself (the loader skips them)."""
+    """Names of the packed tensors `load_shards` reads itself (the loader skips them), as the checkpoint and as the
+    model name them (the loader reports them under the model's names when it renames a prefix)."""
     keys = set()
     for name, w in sharded_weights(model).items():
         key = checkpoint_key(name, index) if w.awaiting_dtype is None else None
         if key is not None:
-            keys.update({key + fmt.PACKED_SUFFIX, key + fmt.NORMS_SUFFIX})
+            keys.update(k + s for k in (key, name) for s in (fmt.PACKED_SUFFIX, fmt.NORMS_SUFFIX))
     return keys
 
 
