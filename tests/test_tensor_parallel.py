@@ -297,3 +297,24 @@ def test_slices_are_found_under_a_renamed_prefix(runs):
         assert "error" not in record, record.get("error")
         assert (record["logits"] - logits).abs().max().item() <= TOL * (1 + logits.abs().max().item())
         assert 2 * record["packed_bytes"] == reference["qwen3_5_moe"][1]
+
+
+def test_slices_read_from_the_file_equal_slices_of_the_whole(tmp_path):
+    """`load_shards`' reader: experts 1-2 of 4, two row ranges, groups 1-2 of 3 (the last one partial) of a stored
+    packed tensor and its norms equal the same slices of the whole tensors."""
+    from safetensors.torch import save_file
+
+    from turboquant_hf import checkpoint
+
+    blocks, rows, in_features, g, bpg = 4, 8, 160, 64, 24  # 3 groups, the last one of 32 weights
+    packed = torch.randint(0, 256, (blocks * rows * 3, bpg), dtype=torch.uint8)
+    norms = torch.randn(blocks * rows, 3)
+    save_file({"w.tq_packed": packed, "w.tq_norms": norms}, str(tmp_path / "x.safetensors"))
+    index = checkpoint.read_checkpoint_index([str(tmp_path / "x.safetensors")])
+    spec = tp.ShardSpec((blocks, rows, in_features), ((1, 3), (5, 7)), 64, 160, 1, 3)
+    got_packed = tp._read_slices(index["w.tq_packed"], spec, g, bpg)
+    got_norms = tp._read_slices(index["w.tq_norms"], spec, g, 1)
+    want_packed = torch.cat([packed.view(blocks, rows, 3, bpg)[1:3, a:b, 1:3] for a, b in ((1, 3), (5, 7))], 1)
+    want_norms = torch.cat([norms.view(blocks, rows, 3)[1:3, a:b, 1:3] for a, b in ((1, 3), (5, 7))], 1)
+    assert torch.equal(got_packed, want_packed.reshape(-1, bpg))
+    assert torch.equal(got_norms, want_norms.reshape(-1, 2))
