@@ -319,13 +319,14 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
 def disk_offloaded_modules(model) -> set[str]:
     """Names of the modules whose tensors accelerate offloads (`device_map` "disk", `offload_buffers=True`): their
     tensors stay on the meta device and its hooks bring them in for each forward."""
-    names = set()
-    for name, module in model.named_modules():
-        hook = getattr(module, "_hf_hook", None)
-        hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
-        if any(getattr(h, "offload", False) for h in hooks):
-            names.add(name)
-    return names
+    return {name for name, module in model.named_modules() if _offloads(module)}
+
+
+def _offloads(module) -> bool:
+    """Whether an accelerate hook on `module` (alone or in a `SequentialHook`) offloads its tensors."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+    return any(getattr(h, "offload", False) for h in hooks)
 
 
 def onload_weights_with_owner(model) -> int:
@@ -336,8 +337,7 @@ def onload_weights_with_owner(model) -> int:
     for owner in model.modules():
         if not isinstance(owner, (TurboQuantLinear, TurboQuantExperts)):
             continue
-        children = [c for c in owner.children() if isinstance(c, TurboQuantWeight)
-                    and getattr(getattr(c, "_hf_hook", None), "offload", False)]
+        children = [c for c in owner.children() if isinstance(c, TurboQuantWeight) and _offloads(c)]
         if not children or getattr(owner, "_tq_onload_children", None) is not None:
             continue
 
