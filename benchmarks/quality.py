@@ -37,6 +37,7 @@ import os
 import platform
 import re
 import sys
+import textwrap
 import time
 
 import torch
@@ -316,13 +317,12 @@ README_BEGIN = "<!-- quality-table: written by `python benchmarks/quality.py --r
 README_END = "<!-- /quality-table -->"
 
 
-def _cell(row: dict | None, ref: float | None) -> str:
-    if row is None:
-        return ""
+def _cell(row: dict, ref: float | None) -> str:
     if "skipped" in row:
         return "not applied"
     if "mean_cosine" in row:
-        return f"cosine {row['mean_cosine']:.3f} (min {row['min_cosine']:.3f})"
+        how = {"text": " (128-token windows)", "sentences": " (single sentences)"}.get(row["method"], "")
+        return f"cosine {row['mean_cosine']:.3f}{how}"
     ratio = f" ({row['mean_kl'] / ref:.2f}×)" if ref and row["method"] != "rtn" else ""
     return (f"KL {row['mean_kl']:.3f}{ratio}, PPL {row['quantized_perplexity']:.1f}, "
             f"top-1 {100 * row['top1_agreement']:.0f} %")
@@ -330,39 +330,28 @@ def _cell(row: dict | None, ref: float | None) -> str:
 
 def readme_table(rows: list[dict]) -> str:
     """The README's quality table: one line per model and bit width, the methods side by side."""
-    columns = [("rtn",), ("text", "budget"), ("sentences",), ("data-free",)]
-    heads = ["round-to-nearest", "calibrated, other plays", "calibrated, single sentences of other plays",
-             "calibrated, data-free"]
-    present = [i for i, c in enumerate(columns) if any(r["method"] in c for r in rows)]
-    found = {(r["model"], r["bits"], r["method"]): r for r in rows}
+    columns = {"round-to-nearest": ("rtn",), "calibrated on other plays": ("text", "sentences", "budget"),
+               "calibrated, data-free": ("data-free",)}
     rtn = {(r["model"], r["bits"]): r.get("mean_kl") for r in rows if r["method"] == "rtn"}
-    lines = ["| model | bits | " + " | ".join(heads[i] for i in present) + " |",
-             "|---|---|" + "---|" * len(present)]
+    lines = ["| model | bits | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
     for model, bits in dict.fromkeys((r["model"], r["bits"]) for r in rows):
         base = next((r["base_perplexity"] for r in rows if r["model"] == model and "base_perplexity" in r), None)
-        label = f"{model} (base PPL {base:.1f})" if base else model
-        width = f"{bits} bits/weight, budget" if (model, bits, "budget") in found else bits
-        cells = []
-        for i in present:
-            row = next((found[(model, bits, m)] for m in columns[i] if (model, bits, m) in found), None)
-            cells.append(_cell(row, rtn.get((model, 3 if row and row["method"] == "budget" else bits))))
-        lines.append(f"| {label} | {width} | " + " | ".join(cells) + " |")
+        mine = [r for r in rows if (r["model"], r["bits"]) == (model, bits)]
+        width = f"{bits} bits/weight, budget" if any(r["method"] == "budget" for r in mine) else bits
+        cells = ["; ".join(_cell(r, rtn.get((model, 3 if r["method"] == "budget" else bits)))
+                           for r in mine if r["method"] in methods) for methods in columns.values()]
+        lines.append(f"| {model}{f' (base PPL {base:.1f})' if base else ''} | {width} | " + " | ".join(cells) + " |")
     evaluated = {r["model"]: r.get("tokens") for r in rows if r.get("tokens")}
     sentences = next((r["sentences"] for r in rows if "sentences" in r), None)
-    return "\n".join([
-        README_BEGIN,
-        ("Quality on held-out text, G = 128, float32 on CPU: every model is compared with its unquantized base on "
-         "Hamlet + Macbeth (" + ", ".join(f"{m}: {n:,} predicted tokens" for m, n in evaluated.items())
-         + (f"; all-MiniLM-L6-v2: {sentences} sentences, cosine of the mean-pooled embeddings" if sentences else "")
-         + "); calibration uses six other plays (Othello, Lear, Julius Caesar, Romeo and Juliet, The Tempest, "
-         "Twelfth Night) or, data-free, text the model wrote itself. KL: mean KL(base || quantized) in nats, "
-         "with its ratio to round-to-nearest; top-1: agreement of the most likely next token. Commands, calibration "
-         "sizes and timings: [benchmarks/QUALITY.md](benchmarks/QUALITY.md); the bit budget: "
-         "[benchmarks/BUDGET.md](benchmarks/BUDGET.md)."),
-        "",
-        *lines,
-        README_END,
-    ])
+    intro = ("Quality on held-out text, G = 128, float32 on CPU: every model is compared with its unquantized base "
+             "on Hamlet + Macbeth (" + ", ".join(f"{m}: {n:,} predicted tokens" for m, n in evaluated.items())
+             + (f"; all-MiniLM-L6-v2: {sentences} sentences, cosine of the mean-pooled embeddings" if sentences
+                else "")
+             + "); calibration uses six other plays (Othello, Lear, Julius Caesar, Romeo and Juliet, The Tempest, "
+             "Twelfth Night) or, data-free, text the model wrote itself. KL: mean KL(base || quantized) in nats, "
+             "with its ratio to round-to-nearest; top-1: agreement of the most likely next token. Commands, "
+             "calibration sizes and timings: [benchmarks/QUALITY.md](benchmarks/QUALITY.md).")
+    return "\n".join([README_BEGIN, textwrap.fill(intro, 118, break_on_hyphens=False), "", *lines, README_END])
 
 
 def write_readme(path: str, table: str) -> None:
