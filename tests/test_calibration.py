@@ -289,3 +289,37 @@ def test_hessian_scale_changes_no_bit_and_extreme_scales_stay_finite(monkeypatch
     for scale in (4.0**40, 1e100, 1e-100):
         p, n = gptq_rotated(w, hx * scale, 3, 128)
         assert torch.isfinite(n).all() and torch.equal(p, packed) and torch.equal(n, norms), scale
+
+
+def _quality_script():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality.py")
+    spec = importlib.util.spec_from_file_location("quality_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_quality_table_is_the_one_the_script_writes(tmp_path):
+    """README.md's quality table equals `quality.py --readme` on the committed rows (benchmarks/quality_rows.json),
+    and the writer replaces only the text between the markers."""
+    import json
+    import os
+
+    quality = _quality_script()
+    with open(os.path.join(os.path.dirname(quality.README), "benchmarks", "quality_rows.json"), encoding="utf-8") as f:
+        rows = json.load(f)
+    table = quality.readme_table(rows)
+    with open(quality.README, encoding="utf-8") as f:
+        readme = f.read()
+    assert table in readme, "README.md's quality table is stale: run python benchmarks/quality.py --from-json " \
+                            "benchmarks/quality_rows.json --readme"
+    page = tmp_path / "README.md"
+    page.write_text(f"before\n{quality.README_BEGIN}\nold\n{quality.README_END}\nafter\n", encoding="utf-8")
+    quality.write_readme(str(page), table)
+    assert page.read_text(encoding="utf-8") == f"before\n{table}\nafter\n"
+    page.write_text("no markers\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="no quality-table markers"):
+        quality.write_readme(str(page), table)
