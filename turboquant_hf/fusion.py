@@ -25,9 +25,9 @@ from torch import nn
 from .modules import TurboQuantLinear, group_linear
 
 # Most input rows (tokens) that one fused product serves; longer inputs run the members apart. 64 is the last row
-# count the CUDA kernels multiply without decoding the weight to a scratch buffer (`kernels.tuning.MID_MAX_M`).
-# Measured on an H200 (Llama-3.1-8B shape, 3-bit, 2048-token prefill as a CUDA graph): fused for every length,
-# 0.84x of bf16's prompt tokens/s, against 0.90x with the members apart (`benchmarks/E2E.md`).
+# count the CUDA kernels multiply without decoding the weight to a scratch buffer (`kernels.tuning.MID_MAX_M`);
+# above it the fused product's wide output would be copied into per-member tensors, slower than running the members
+# apart (measured at prefill: benchmarks/E2E.md, "Fused projections run apart above 64 input rows").
 FUSED_MAX_ROWS = 64
 
 # child names of one parent that read the same input, in output order: attention, gated MLPs (Llama-style,
