@@ -18,7 +18,7 @@ import importlib.util
 
 import torch
 
-__all__ = ["registered", "register"]
+__all__ = ["register", "registered"]
 
 _registered = False
 
@@ -99,7 +99,7 @@ def register() -> bool:
 
 try:
     register()
-except Exception as exc:  # never break importing the package: the reference path still works
+except Exception as exc:  # noqa: BLE001 (never break importing the package: the reference path still works)
     import warnings
 
     warnings.warn(f"turboquant_hf.kernels: Triton kernels not registered ({exc!r}); using the torch reference")

@@ -7,7 +7,6 @@ import triton.language as tl
 
 from .units import _codebook16, _load_units, _value
 
-
 # ---------------------------------------------------------------------------
 # 2a. GEMV on CUDA cores (M == 1; any M for float32)
 # ---------------------------------------------------------------------------

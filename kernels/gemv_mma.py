@@ -6,8 +6,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .lut import _byte_tables, _mma_pattern, _unit_nibbles
-from .ptx import _PAIR16S_ASM, _PAIR16_ASM, _PAIR2_ASM, _PAIR8_ASM, _TOP3_ASM, _prmt, _prmt_c, gdc_wait
+from .lut import _byte_tables, _lookup_bytes, _mma_pattern, _unit_nibbles
+from .ptx import (
+    _PAIR2_ASM,
+    _PAIR8_ASM,
+    _PAIR16_ASM,
+    _PAIR16S_ASM,
+    _TOP3_ASM,
+    _prmt,
+    _prmt_c,
+    gdc_wait,
+)
 from .units import _codebook16, _decode_unit_values, _load_units
 
 
@@ -41,25 +50,10 @@ def _mma_pairs(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: t
         p0, p1, p2, p3 = tl.inline_asm_elementwise(_PAIR8_ASM, "=r,=r,=r,=r,r,r,r,r,r", [t0, t1, t2, t3, d],
                                                    dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
     else:
-        s = d & 0x77777777
-        if NLEV == 16:
-            a = d << 4
-            m = _prmt_c(a, d, 0xD9C8)
-            lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
-            hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
-        else:
-            lo = _prmt(t0, t1, s)
-            hi = _prmt(t2, t3, s)
+        lo, hi = _lookup_bytes(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, 0)
         p0 = _prmt_c(lo, hi, 0x5140)
         p1 = _prmt_c(lo, hi, 0x7362)
-        s = s >> 16
-        if NLEV == 16:
-            m = _prmt_c(a, d, 0xFBEA)
-            lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
-            hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
-        else:
-            lo = _prmt(t0, t1, s)
-            hi = _prmt(t2, t3, s)
+        lo, hi = _lookup_bytes(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, 1)
         p2 = _prmt_c(lo, hi, 0x5140)
         p3 = _prmt_c(lo, hi, 0x7362)
     return p0, p1, p2, p3
@@ -73,23 +67,20 @@ def _mma_pairs2(w, t0, t2, USE_ASM: tl.constexpr):
         p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
             _PAIR2_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [w, t0, t2], dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
     else:
-        x = w & 0x03030303
-        y = (w >> 4) & 0x03030303
-        a = _prmt_c(x, y, 0x5140) * 0x11 + 0x40404040
-        p0 = _prmt(t0, t2, a)
-        p1 = _prmt(t0, t2, a >> 16)
-        a = _prmt_c(x, y, 0x7362) * 0x11 + 0x40404040
-        p2 = _prmt(t0, t2, a)
-        p3 = _prmt(t0, t2, a >> 16)
-        x = (w >> 2) & 0x03030303
-        y = (w >> 6) & 0x03030303
-        a = _prmt_c(x, y, 0x5140) * 0x11 + 0x40404040
-        p4 = _prmt(t0, t2, a)
-        p5 = _prmt(t0, t2, a >> 16)
-        a = _prmt_c(x, y, 0x7362) * 0x11 + 0x40404040
-        p6 = _prmt(t0, t2, a)
-        p7 = _prmt(t0, t2, a >> 16)
+        p0, p1, p2, p3 = _pair2_lookups(w, t0, t2, 0)
+        p4, p5, p6, p7 = _pair2_lookups(w, t0, t2, 2)
     return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _pair2_lookups(w, t0, t2, SHIFT: tl.constexpr):
+    """Half of `_PAIR2_ASM` written out (the interpreter's path of `_mma_pairs2`): the four pairs of indices 0-7
+    (SHIFT 0: the low two bits of each nibble of `w`) or 8-15 (SHIFT 2: the high two bits)."""
+    x = (w >> SHIFT) & 0x03030303
+    y = (w >> (SHIFT + 4)) & 0x03030303
+    a = _prmt_c(x, y, 0x5140) * 0x11 + 0x40404040
+    b = _prmt_c(x, y, 0x7362) * 0x11 + 0x40404040
+    return _prmt(t0, t2, a), _prmt(t0, t2, a >> 16), _prmt(t0, t2, b), _prmt(t0, t2, b >> 16)
 
 
 @triton.jit

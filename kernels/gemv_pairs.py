@@ -12,7 +12,6 @@ from .ptx import _TOP3_ASM, gdc_wait
 from .rotation import _group_norm, _pair_column, _pair_exponent
 from .units import _load_units
 
-
 # ---------------------------------------------------------------------------
 # 2a''. pair GEMV (M <= PAIR_MAX_M and routed expert pairs, 16-bit activations): half-precision pair products
 # ---------------------------------------------------------------------------

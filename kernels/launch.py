@@ -1,9 +1,9 @@
 """Launching the Triton kernels with less host work per call.
 
 `kernel[grid](*args, **meta)` binds every argument to the kernel's signature, computes Triton's specialization key
-and looks the compiled kernel up on every call: on the H200's host that is about 40 us of a 3-bit GEMV call
-against 16 us for launching the compiled kernel itself, and a decode step at batch 1 makes two such launches per
-linear layer, so in eager mode (no CUDA graph) the host, not the GPU, sets the pace.
+and looks the compiled kernel up on every call, which takes longer on the host than launching the compiled kernel
+itself; a decode step at batch 1 makes two such launches per linear layer, so in eager mode (no CUDA graph) the
+host, not the GPU, sets the pace (measurements: benchmarks/RESULTS.md, "Cached kernel launches").
 
 `launch` keeps, per kernel, a cache from a key of its own to the compiled kernel that Triton's first launch
 returned, and launches that compiled kernel directly afterwards. The key is at least as fine as Triton's
@@ -18,7 +18,6 @@ kernels lack the launch interface, the interpreter) takes Triton's own launch pa
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -59,7 +58,7 @@ def _spec(a):
 def _tail(kernel, n_args: int, meta: dict) -> tuple:
     """The values of the parameters after the positional ones, in signature order (constexprs by keyword, or
     their defaults)."""
-    return tuple(meta[p.name] if p.name in meta else p.default for p in kernel.params[n_args:])
+    return tuple(meta.get(p.name, p.default) for p in kernel.params[n_args:])
 
 
 def _launchable(compiled) -> bool:

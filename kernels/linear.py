@@ -23,14 +23,13 @@ import torch
 import triton
 
 from . import tuning
-from .launch import cdiv, launch, next_power_of_2
 from .gemv_fma import _gemv_fma_kernel
 from .gemv_mma import _gemv_dot_kernel, _gemv_mma_kernel
 from .gemv_pairs import _gemv_pair_kernel, _pack_pairs_kernel
+from .launch import cdiv, launch, next_power_of_2
 from .prefill import _dequant_kernel, _dequant_lut_kernel
 from .ptx import _HAS_GDC
 from .rotation import _rotate_kernel, _rotate_rows_kernel
-
 
 # ---------------------------------------------------------------------------
 # geometry of the packed units
@@ -46,7 +45,7 @@ def unit_geometry(n_levels: int, group_size: int) -> dict:
     g = group_size
     if n_levels == 3:
         bpg = -(-g // 5)
-        return dict(PER=5, PER_P=8, WPU=0, UPG=bpg, UPG_P=next_power_of_2(bpg))
+        return {"PER": 5, "PER_P": 8, "WPU": 0, "UPG": bpg, "UPG_P": next_power_of_2(bpg)}
     if n_levels == 4:
         per, wpu = 16, 1
     elif n_levels == 8:
@@ -55,7 +54,7 @@ def unit_geometry(n_levels: int, group_size: int) -> dict:
         per, wpu = 8, 1
     else:
         raise ValueError(f"unsupported codebook size {n_levels} (expected 3, 4, 8 or 16)")
-    return dict(PER=per, PER_P=per, WPU=wpu, UPG=g // per, UPG_P=g // per)
+    return {"PER": per, "PER_P": per, "WPU": wpu, "UPG": g // per, "UPG_P": g // per}
 
 
 _HADAMARD: dict = {}

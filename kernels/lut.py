@@ -6,8 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ptx import _LUT16_ASM, _LUT8_ASM, _prmt, _prmt_c
-
+from .ptx import _LUT8_ASM, _LUT16_ASM, _prmt, _prmt_c
 
 # ---------------------------------------------------------------------------
 # 2a'. codebook lookups with byte permutes (the pair GEMV, the tensor-core GEMV, the lookup dequantization)
@@ -87,6 +86,28 @@ def _byte_tables(cb_ptr, NLEV: tl.constexpr, PAIRS: tl.constexpr = 0):
 
 
 @triton.jit
+def _lookup_bytes(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, HALF: tl.constexpr):
+    """The permutes of `_LUT8_ASM` / `_LUT16_ASM` written out (the interpreter's path of `_lut8` and `_mma_pairs`):
+    the low and the high bytes of the codebook entries of indices 4 HALF .. 4 HALF + 3, the nibbles of uint32 `d`.
+    With 16 entries, the tables of entries 8-15 (t4-t7) where an index's top bit is set (a byte mask from the
+    sign-replicate permute of `d << 4` and `d`)."""
+    s = d & 0x77777777
+    if HALF:
+        s = s >> 16
+    if NLEV == 16:
+        if HALF:
+            m = _prmt_c(d << 4, d, 0xFBEA)
+        else:
+            m = _prmt_c(d << 4, d, 0xD9C8)
+        lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
+        hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
+    else:
+        lo = _prmt(t0, t1, s)
+        hi = _prmt(t2, t3, s)
+    return lo, hi
+
+
+@triton.jit
 def _lut8(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.constexpr):
     """Eight float32 codebook values from eight indices held as the nibbles of uint32 `d` (3-bit indices
     for codebooks of up to 8 entries, 4-bit for 16)."""
@@ -99,27 +120,12 @@ def _lut8(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, USE_ASM: tl.con
             _LUT8_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [t0, t1, t2, t3, d],
             dtype=(tl.float32,) * 8, is_pure=True, pack=1)
     else:
-        s = d & 0x77777777
-        if NLEV == 16:
-            a = d << 4
-            m = _prmt_c(a, d, 0xD9C8)
-            lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
-            hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
-        else:
-            lo = _prmt(t0, t1, s)
-            hi = _prmt(t2, t3, s)
+        lo, hi = _lookup_bytes(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, 0)
         v0 = _prmt_c(lo, hi, 0x4040).to(tl.float32, bitcast=True)
         v1 = _prmt_c(lo, hi, 0x5151).to(tl.float32, bitcast=True)
         v2 = _prmt_c(lo, hi, 0x6262).to(tl.float32, bitcast=True)
         v3 = _prmt_c(lo, hi, 0x7373).to(tl.float32, bitcast=True)
-        s = s >> 16
-        if NLEV == 16:
-            m = _prmt_c(a, d, 0xFBEA)
-            lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
-            hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
-        else:
-            lo = _prmt(t0, t1, s)
-            hi = _prmt(t2, t3, s)
+        lo, hi = _lookup_bytes(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, 1)
         v4 = _prmt_c(lo, hi, 0x4040).to(tl.float32, bitcast=True)
         v5 = _prmt_c(lo, hi, 0x5151).to(tl.float32, bitcast=True)
         v6 = _prmt_c(lo, hi, 0x6262).to(tl.float32, bitcast=True)

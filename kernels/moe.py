@@ -35,7 +35,6 @@ its tokens.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -355,8 +354,8 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
     x_all = L.rotate(hidden, s1, s2, g, wdt) if rotated else hidden.to(wdt)
     tok, pos, chunks, grouped = _prefill_plan(hidden, top_k_index, e, 2 * inter * h, 3 * inter * h, wdt)
     x = x_all[tok]  # the routed pairs' tokens, sorted by expert
-    y = None if len(chunks) == 1 else torch.empty(tok.numel(), h, dtype=wdt, device=hidden.device)
-    for start, stop, sel, offs, sizes in chunks:
+
+    def chunk(start, stop, sel, offs, sizes):
         n_mat = sel.numel()
         unrot = () if rotated else (s1, s2, h)
         w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, *unrot, select=sel, select_rows=2 * inter)
@@ -368,13 +367,21 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
             mid = L.rotate(mid, s1, s2, g, wdt)
         unrot = () if rotated else (s1, s2, inter)
         w_d = L.dequantize_lut(d_packed, d_norms, d_cb, g, wdt, *unrot, select=sel, select_rows=h)
-        part = _expert_products(mid, w_d.view(n_mat, h, -1), offs, sizes, grouped)
-        del w_d
-        if y is None:
-            y = part
-        else:
-            y[start:stop] = part
+        return _expert_products(mid, w_d.view(n_mat, h, -1), offs, sizes, grouped)
+
+    y = _chunk_rows(chunks, chunk, tok.numel(), h, wdt, hidden.device)
     return combine(y, pos, top_k_weights, hidden.dtype)
+
+
+def _chunk_rows(chunks, chunk, rows: int, h: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The `(rows, h)` output rows of a decoded prefill: `chunk(start, stop, sel, offs, sizes)` for each of the
+    `_prefill_plan` chunks, written at rows start..stop (a single chunk's result returned as it is)."""
+    if len(chunks) == 1:
+        return chunk(*chunks[0])
+    y = torch.empty(rows, h, dtype=dtype, device=device)
+    for start, stop, sel, offs, sizes in chunks:
+        y[start:stop] = chunk(start, stop, sel, offs, sizes)
+    return y
 
 
 def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2, g,
@@ -504,7 +511,7 @@ def _hadamard_fused_routed(hidden, top_k_index, top_k_weights, gate_packed, gate
     down product, `combine`. No host synchronisation and no scratch buffer."""
     from turboquant_hf import rotation
 
-    inter, g_h, g_i, wdt, xg, xu = _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e)
+    _, g_h, g_i, wdt, xg, xu = _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e)
     tok, pos, _, offs = _device_routing(top_k_index, e)
     xg = xg.to(wdt)
     xu = xg if up_signs is gate_signs else xu.to(wdt)
@@ -530,8 +537,8 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     tok, pos, chunks, grouped = _prefill_plan(hidden, top_k_index, e, inter * h, 3 * inter * h, wdt)
     xg, xu = xg[tok].to(wdt), xu[tok].to(wdt)  # the routed pairs' rows, sorted by expert
     d_signs = down_signs.float()
-    y = None if len(chunks) == 1 else torch.empty(tok.numel(), h, dtype=wdt, device=hidden.device)
-    for start, stop, sel, offs, sizes in chunks:
+
+    def chunk(start, stop, sel, offs, sizes):
         n = sel.numel()
         w_g = L.dequantize_lut(gate_packed, gate_norms, gate_codebook, g_h, wdt, select=sel, select_rows=inter)
         gate = _expert_products(xg[start:stop], w_g.view(n, inter, h), offs, sizes, grouped).float()
@@ -541,12 +548,9 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
         del w_u
         mid = rotation.rotate_rows(act(gate) * up, d_signs).to(wdt)
         w_d = L.dequantize_lut(down_packed, down_norms, down_codebook, g_i, wdt, select=sel, select_rows=h)
-        part = _expert_products(mid, w_d.view(n, h, inter), offs, sizes, grouped)
-        del w_d
-        if y is None:
-            y = part
-        else:
-            y[start:stop] = part
+        return _expert_products(mid, w_d.view(n, h, inter), offs, sizes, grouped)
+
+    y = _chunk_rows(chunks, chunk, tok.numel(), h, wdt, hidden.device)
     return combine(y, pos, top_k_weights, hidden.dtype)
 
 

@@ -9,7 +9,6 @@ import triton.language as tl
 from .lut import _byte_tables, _lut8, _unit_nibbles
 from .units import _codebook16, _decode_unit_values, _load_units
 
-
 # ---------------------------------------------------------------------------
 # 2c. prefill: the weight (or, for ternary and float32, the rotated-basis weight) into a scratch buffer, then cuBLAS
 # ---------------------------------------------------------------------------

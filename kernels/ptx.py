@@ -6,7 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 try:  # programmatic dependent launch (Hopper and later; Triton >= 3.5)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     _HAS_GDC = True
@@ -139,6 +138,8 @@ prmt.b32 $7, l, h, 0x7373;
 # per pair (`_PAIR2_ASM`). Counted in sm_90 SASS (3-bit runtime layout, G = 128, BN = 32, 16 activation
 # rows): ~2.2 instructions per weight per lane in the loop, ~1.3 of them on the integer pipe.
 
+# (The pair lookups repeat the byte lookups of `_LUT8_ASM` / `_LUT16_ASM` with other operands, interleaves and shifts;
+# each stays one literal PTX block, the instruction sequence that ptxas reads and the SASS counts above refer to.)
 _PAIR8_ASM = tl.constexpr("""{
 .reg .b32 l, h, s;
 prmt.b32 l, $4, $5, $8;

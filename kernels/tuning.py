@@ -1,6 +1,7 @@
-"""Tuning of the CUDA kernels in one place: the M thresholds of the dispatch (`linear.path`), the layout switches of
+"""Tuning of the linear kernels in one place: the M thresholds of the dispatch (`linear.path`), the layout switches of
 the tensor-core GEMV and the rotation, and the programmatic-dependent-launch limits. Module globals, read at each
-call (tests and benchmarks set them here). Measurements behind them: benchmarks/RESULTS.md."""
+call (tests and benchmarks set them here). Measurements behind them: benchmarks/RESULTS.md. The MoE op's plan
+limits (pairs served by the decode GEMVs, the fused routed products, the prefill scratch budget) head `moe.py`."""
 
 from __future__ import annotations
 

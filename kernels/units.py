@@ -6,7 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 # ---------------------------------------------------------------------------
 # device helpers
 # ---------------------------------------------------------------------------
