@@ -105,8 +105,8 @@ def _quantize_parser(sub, fmt_cls) -> None:
     c.add_argument("--calibration", metavar="DATA",
                    help="a UTF-8 text file to calibrate on, or 'data-free' (the model writes its own text); use text "
                         "other than the evaluation text")
-    c.add_argument("--calibration-samples", type=int, default=128, metavar="N",
-                   help="calibration sequences (default 128)")
+    c.add_argument("--calibration-samples", type=int, default=16, metavar="N",
+                   help="calibration sequences (default 16)")
     c.add_argument("--calibration-length", type=int, default=512, metavar="T",
                    help="tokens per calibration sequence (default 512)")
     c.add_argument("--target-bits", type=float, metavar="BITS",

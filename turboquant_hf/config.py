@@ -45,16 +45,23 @@ class CalibrationConfig:
         data: the calibration text: `"data-free"` (the model writes its own text from neutral prompts), a path to
             a UTF-8 text file, a list of strings, a list of token-id tensors, or a `datasets.Dataset` with a
             `text` column.
-        samples: sequences of `sequence_length` tokens to calibrate on.
-        sequence_length: tokens per sequence.
+        samples: sequences of `sequence_length` tokens to calibrate on (default 16).
+        sequence_length: tokens per sequence (default 512).
         damping: added to the Hessian's diagonal, as a fraction of its mean diagonal.
         seed: seeds the choice of sequences and the data-free sampling.
         tokenizer: the tokenizer for text data (default: the model's own, from the same source).
         options: further settings of the rounding, by name.
+
+    The defaults, 16 x 512 = 8192 tokens, are practical on a CPU. Measured on SmolLM2-135M at 3 bits (G = 128),
+    calibrated on other Shakespeare plays, mean KL to the float model on 4096 held-out tokens of Hamlet + Macbeth:
+    4 sequences 0.313, 8 0.269, 16 0.249 (round-to-nearest 1.371). The calibration's time is mostly the rounding
+    sweep, which does not grow with the data; what grows is the data-free mode's generation (about 7 s per
+    512-token sequence on one thread for that model: 16 in about 2 minutes, 128 in about 16) and the sensitivity
+    pass of a bit budget, which uses the same sequences.
     """
 
     data: Any = DATA_FREE
-    samples: int = 128
+    samples: int = 16
     sequence_length: int = 512
     damping: float = 0.01
     seed: int = 0
