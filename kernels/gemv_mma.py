@@ -471,7 +471,7 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
                                                     is_pure=True, pack=1)
         v = _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, FOLD, USE_ASM)
         # axes h a s l t r q0 q1 .. -> s a h l r .. q1 q0 t: rows 16 a + 8 h + l, k = e + 2t + 8 (q + r PER/2)
-        # (LANES_FIRST: from t l s h a r q0 q1 ..)
+        # (LANES_FIRST: from t l s h a r q0 q1 ..); one literal order per unit size: the order is a compile-time tuple
         if LANES_FIRST:
             if NLEV == 8:
                 v = tl.permute(v, (2, 4, 3, 1, 5, 9, 8, 7, 6, 0))
