@@ -349,7 +349,7 @@ def readme_table(rows: list[dict]) -> str:
                 else "")
              + "); calibration uses six other plays (Othello, Lear, Julius Caesar, Romeo and Juliet, The Tempest, "
              "Twelfth Night) or, data-free, text the model wrote itself. KL: mean KL(base || quantized) in nats, "
-             "with its ratio to round-to-nearest; top-1: agreement of the most likely next token. Commands, "
+             "with its ratio to round-to-nearest (a budget row's: to 3-bit round-to-nearest); top-1: agreement of the most likely next token. Commands, "
              "calibration sizes and timings: [benchmarks/QUALITY.md](benchmarks/QUALITY.md).")
     return "\n".join([README_BEGIN, textwrap.fill(intro, 118, break_on_hyphens=False), "", *lines, README_END])
 
