@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -121,3 +122,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if {"L", "M"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.interpreter)
+
+
+def safetensors_tensors(directory) -> dict:
+    """Every tensor of the safetensors files in `directory`, by name."""
+    out = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, f)))
+    return out
+
+
+def assert_same_tensors(a_dir, b_dir) -> dict:
+    """The two folders hold the same tensor names with equal dtypes and values; returns the first folder's."""
+    a, b = safetensors_tensors(a_dir), safetensors_tensors(b_dir)
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    return a

@@ -12,16 +12,16 @@ import time
 
 import pytest
 import torch
+from conftest import assert_same_tensors, safetensors_tensors
+from hub_fixtures import hub_env, hub_in_process, local_hub  # noqa: F401  (fixtures)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from turboquant_hf import TurboQuantConfig, cli, codec
+from turboquant_hf import TurboQuantConfig, cli, codec, streaming
 from turboquant_hf import format as fmt
 from turboquant_hf.checkpoint import CheckpointError, read_checkpoint_index
-from hub_fixtures import hub_env, hub_in_process, local_hub  # noqa: F401  (fixtures)
 from turboquant_hf.codec import GroupQuantizer
 from turboquant_hf.shards import ShardWriter, source_index
-from turboquant_hf import streaming
 from turboquant_hf.streaming import STATE_NAME, ConversionError, StreamingQuantizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,21 +33,6 @@ def _bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _tensors(directory):
-    out = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, f)))
-    return out
-
-
-def _assert_same_tensors(a_dir, b_dir):
-    a, b = _tensors(a_dir), _tensors(b_dir)
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
 def _same_files(a_dir, b_dir, skip=("README.md", "turboquant_build.json")):
@@ -104,10 +89,10 @@ def test_dense_llama_matches_from_pretrained(tiny_llama_dir, tmp_path):
     cfg = TurboQuantConfig(bits=3, group_size=64, module_bits={"down_proj": 4})
     summary = _convert(tiny_llama_dir, tmp_path / "out", quantization_config=cfg, max_shard_size=200_000)
     AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg).save_pretrained(tmp_path / "ref")
-    _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    assert_same_tensors(tmp_path / "out", tmp_path / "ref")
     assert len(summary.shards) > 1 and os.path.isfile(tmp_path / "out" / "model.safetensors.index.json")
     index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
-    assert set(index["weight_map"]) == set(_tensors(tmp_path / "out"))
+    assert set(index["weight_map"]) == set(safetensors_tensors(tmp_path / "out"))
     for name, f in index["weight_map"].items():
         assert name in read_checkpoint_index([str(tmp_path / "out" / f)])
     assert summary.params_quantized > 0 and summary.bytes_out < summary.bytes_in
@@ -132,13 +117,13 @@ def test_qwen3_5_moe_matches_from_pretrained(layout, tmp_path):
 
     torch.manual_seed(0)
     qwen3_5_moe().to(torch.bfloat16).save_pretrained(tmp_path / "src", save_original_format=layout == "per_expert")
-    assert any(".experts.0." in k for k in _tensors(tmp_path / "src")) == (layout == "per_expert")
+    assert any(".experts.0." in k for k in safetensors_tensors(tmp_path / "src")) == (layout == "per_expert")
     cfg = get_recipe("tq3a-tqTe", group_size=64)
     _convert(tmp_path / "src", tmp_path / "out", quantization_config=cfg)
     Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path / "src", quantization_config=cfg).save_pretrained(
         tmp_path / "ref")
-    _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
-    out = _tensors(tmp_path / "out")
+    assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    out = safetensors_tensors(tmp_path / "out")
     assert "model.language_model.layers.0.mlp.experts.gate_up_proj.tq_packed" in out
     assert not any(".experts.0." in k for k in out)
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(0))
@@ -155,12 +140,12 @@ def test_per_expert_sources_are_fused(kind, tmp_path):
 
     torch.manual_seed(0)
     getattr(test_moe, kind)().to(torch.bfloat16).save_pretrained(tmp_path / "src")  # per-expert (default save)
-    assert any(".experts.0." in k for k in _tensors(tmp_path / "src"))
+    assert any(".experts.0." in k for k in safetensors_tensors(tmp_path / "src"))
     cfg = TurboQuantConfig(bits=3, group_size=64, module_bits={r"experts\.down_proj": 4})
     _convert(tmp_path / "src", tmp_path / "out", quantization_config=cfg)
     AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=cfg).save_pretrained(tmp_path / "ref")
-    _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
-    out = _tensors(tmp_path / "out")
+    assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    out = safetensors_tensors(tmp_path / "out")
     assert not any(".experts.0." in k for k in out)
     assert sum(k.endswith("experts.gate_up_proj.tq_packed") for k in out) == 2
 
@@ -464,8 +449,8 @@ def test_progress_summary_and_card(tiny_llama_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "quantizing" in err and "model.norm.weight" in err  # the bar shows bytes and the tensor's name
     assert "B/s" in err or "MB" in err or "kB" in err
-    out = _tensors(tmp_path / "out")
-    source = _tensors(tiny_llama_dir)
+    out = safetensors_tensors(tmp_path / "out")
+    source = safetensors_tensors(tiny_llama_dir)
     quantized = {k[: -len(fmt.PACKED_SUFFIX)] for k in out if k.endswith(fmt.PACKED_SUFFIX)}
     assert summary.params_quantized == sum(source[k].numel() for k in quantized)
     assert summary.params_kept == sum(v.numel() for k, v in source.items() if k not in quantized)
@@ -502,14 +487,14 @@ def test_cli_chooses_the_converter_by_memory_budget(tiny_llama_dir, tmp_path, ca
                      "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["converter"] == "streaming" and result["summary"]["params_quantized"] > 0
-    _assert_same_tensors(tmp_path / "budget", tmp_path / "ref")
+    assert_same_tensors(tmp_path / "budget", tmp_path / "ref")
     assert os.path.isfile(tmp_path / "budget" / "README.md")
     # less memory available than the model: chosen without being asked
     monkeypatch.setattr(shards, "available_memory", lambda: largest)
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "auto")]) == 0
     captured = capsys.readouterr()
     assert "streaming conversion (the weights" in captured.err and "wrote" in captured.out
-    _assert_same_tensors(tmp_path / "auto", tmp_path / "ref")
+    assert_same_tensors(tmp_path / "auto", tmp_path / "ref")
     # asked for
     monkeypatch.setattr(shards, "available_memory", lambda: 10**12)
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "asked"), "--streaming", "--bits", "4",
@@ -521,13 +506,13 @@ def test_cli_streaming_keeps_layers_in_the_same_dtype(tiny_llama_dir, tmp_path, 
     """A float32 source: --dtype bfloat16 (the default) casts the full-precision tensors on both paths alike."""
     src = tmp_path / "src"
     AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).save_pretrained(src)
-    assert _tensors(src)["model.embed_tokens.weight"].dtype == torch.float32
+    assert safetensors_tensors(src)["model.embed_tokens.weight"].dtype == torch.float32
     assert cli.main(["quantize", str(src), "--out", str(tmp_path / "ref"), "--bits", "2"]) == 0
     assert cli.main(["quantize", str(src), "--out", str(tmp_path / "out"), "--bits", "2", "--streaming",
                      "--max-shard-size", "100KB"]) == 0
     capsys.readouterr()
-    _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
-    assert _tensors(tmp_path / "out")["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    assert safetensors_tensors(tmp_path / "out")["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
 
 
@@ -559,8 +544,8 @@ def test_cli_streams_a_hub_repo(tiny_llama_dir, tmp_path, hub_in_process, capsys
                      "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["converter"] == "streaming"
     _convert(tiny_llama_dir, tmp_path / "local")
-    _assert_same_tensors(tmp_path / "asked", tmp_path / "local")
-    _assert_same_tensors(tmp_path / "budget", tmp_path / "local")
+    assert_same_tensors(tmp_path / "asked", tmp_path / "local")
+    assert_same_tensors(tmp_path / "budget", tmp_path / "local")
     assert "base_model: " + repo in (tmp_path / "asked" / "README.md").read_text()
 
 
@@ -651,7 +636,7 @@ def test_source_index_reads_only_listed_files(tiny_llama_dir, tmp_path):
     src = tmp_path / "src"
     AutoModelForCausalLM.from_pretrained(tiny_llama_dir).save_pretrained(src, max_shard_size="200KB")
     (src / "consolidated.safetensors").write_bytes(b"not a safetensors file")
-    assert set(source_index(str(src))) == set(_tensors(tiny_llama_dir))
+    assert set(source_index(str(src))) == set(safetensors_tensors(tiny_llama_dir))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -672,6 +657,6 @@ def test_faster_than_the_peer_writer(tmp_path):
     theirs = time.perf_counter() - start
     assert theirs >= 2 * ours, (ours, theirs, meta)
     # the same packed bytes but for boundary ties
-    a, b = _tensors(tmp_path / "ours0"), _tensors(tmp_path / "peer")
+    a, b = safetensors_tensors(tmp_path / "ours0"), safetensors_tensors(tmp_path / "peer")
     k = "model.layers.0.mlp.down_proj.weight.tq_packed"
     assert (a[k] != b[k]).float().mean() < 1e-4

@@ -5,29 +5,17 @@ import os
 
 import pytest
 import torch
-from conftest import spread_weights_, tiny_qwen3_5_moe_model
-from safetensors.torch import load_file
+from conftest import (
+    assert_same_tensors,
+    safetensors_tensors,
+    spread_weights_,
+    tiny_qwen3_5_moe_model,
+)
 from transformers import AutoModelForCausalLM
 
 from turboquant_hf import CalibrationConfig, TurboQuantConfig, cli
 from turboquant_hf.calibrate_streaming import parameters_on_meta, resident_bytes
 from turboquant_hf.streaming import ConversionError, StreamingQuantizer
-
-
-def _tensors(directory):
-    out = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, f)))
-    return out
-
-
-def _assert_same_tensors(a_dir, b_dir):
-    a, b = _tensors(a_dir), _tensors(b_dir)
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    return a
 
 
 def _batches(n, length=64, seed=0):
@@ -54,11 +42,11 @@ def test_dense_llama_equals_the_in_memory_path(tiny_llama_dir, tmp_path):
     ref_cfg = _config(module_bits={"down_proj": 4})
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, quantization_config=ref_cfg)
     ref.save_pretrained(tmp_path / "ref")
-    out = _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    out = assert_same_tensors(tmp_path / "out", tmp_path / "ref")
     assert len(summary.shards) > 1  # calibrated and copied tensors share shards
     _convert(tiny_llama_dir, tmp_path / "rtn", TurboQuantConfig(bits=3, group_size=64, module_bits={"down_proj": 4}),
              dtype=torch.float32)
-    rtn = _tensors(tmp_path / "rtn")
+    rtn = safetensors_tensors(tmp_path / "rtn")
     assert not torch.equal(out["model.layers.1.mlp.down_proj.weight.tq_packed"],
                            rtn["model.layers.1.mlp.down_proj.weight.tq_packed"])  # calibrated, not rounded
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
@@ -94,7 +82,7 @@ def test_moe_equals_the_in_memory_path(kind, tmp_path):
     summary = _convert(tmp_path / "src", tmp_path / "out", _config(8), dtype=torch.float32)
     model_class.from_pretrained(tmp_path / "src", dtype=torch.float32,
                                 quantization_config=_config(8)).save_pretrained(tmp_path / "ref")
-    out = _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    out = assert_same_tensors(tmp_path / "out", tmp_path / "ref")
     assert summary.calibrated_blocks == (2 if kind == "qwen3_moe" else 4)
     assert any(k.endswith("experts.gate_up_proj.tq_packed") for k in out)
 
@@ -109,7 +97,7 @@ def test_cli_streaming_calibration_equals_loading_whole(tiny_llama_dir, tmp_path
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "s"), "--streaming", *args]) == 0
     assert json.loads(capsys.readouterr().out)["summary"]["calibrated_blocks"] == 2
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "w"), *args]) == 0
-    _assert_same_tensors(tmp_path / "s", tmp_path / "w")
+    assert_same_tensors(tmp_path / "s", tmp_path / "w")
     record = json.loads((tmp_path / "s" / "config.json").read_text())["quantization_config"]["calibrated_with"]
     assert record["source"] == "calibration.txt" and record["samples"] == 4
 
@@ -161,4 +149,4 @@ def test_interrupted_calibration_resumes_to_the_same_bytes(tiny_llama_dir, tmp_p
         _convert(tiny_llama_dir, tmp_path / "out", _config(n=3), dtype=torch.float32, max_shard_size=100_000,
                  resume=True)
     _convert(tiny_llama_dir, tmp_path / "out", _config(), dtype=torch.float32, max_shard_size=100_000, resume=True)
-    _assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    assert_same_tensors(tmp_path / "out", tmp_path / "ref")

@@ -286,15 +286,20 @@ def shard_experts_(module: TurboQuantExperts, mesh) -> TurboQuantExperts:
                    mesh, _StridedShard(1, split_factor=2))  # each expert's gate rows, then its up rows
     _shard_weight_(module, "down_proj", ShardSpec((e, h, i), ((0, h),), start, stop), mesh, Shard(2))
     module.__dict__["tp_intermediate"] = (start, stop)
+    _sum_outputs_over_ranks(module, group)
+    return module
+
+
+def _sum_outputs_over_ranks(module, group) -> None:
+    """The experts' forward on local tensors, its partial output summed over the ranks of `group`."""
     original = module.forward
 
-    def tp_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         y = original(_local(hidden_states), _local(top_k_index), _local(top_k_weights), *args, **kwargs)
         dist.all_reduce(y, group=group)
         return y
 
-    module.forward = tp_forward
-    return module
+    module.forward = forward
 
 
 def shard_experts_by_expert_(module: TurboQuantExperts, mesh, all_reduce: bool = False) -> TurboQuantExperts:
@@ -318,14 +323,7 @@ def shard_experts_by_expert_(module: TurboQuantExperts, mesh, all_reduce: bool =
     module.num_experts = b1 - b0
     module.__dict__["tp_experts"] = (b0, b1)
     if all_reduce:
-        original = module.forward
-
-        def ep_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            y = original(_local(hidden_states), _local(top_k_index), _local(top_k_weights), *args, **kwargs)
-            dist.all_reduce(y, group=group)
-            return y
-
-        module.forward = ep_forward
+        _sum_outputs_over_ranks(module, group)
     return module
 
 
