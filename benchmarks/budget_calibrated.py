@@ -1,8 +1,10 @@
 """Mixed precision with calibrated rounding on Gemma-3-270M: the v_proj + down_proj rule against a measured allocation.
 
-    python benchmarks/budget_calibrated.py rule|energy|fisher [--budget 3.5] [--samples 16] [--tokens 16384]
+    python benchmarks/budget_calibrated.py auto|rule|energy|fisher [--budget 3.5] [--samples 16] [--tokens 16384]
 
-`rule`: every v_proj and down_proj at 4 bits (`module_bits`), the rest at 3; `energy` / `fisher`: the allocation of
+`auto`: the loader's own path, `TurboQuantConfig(target_bits_per_weight=--budget, calibration=...)` (the default
+measure, which keeps the Fisher or the energy allocation by measured KL on the calibration batches); `rule`: every
+v_proj and down_proj at 4 bits (`module_bits`), the rest at 3; `energy` / `fisher`: the allocation of
 `budget.allocate_bits` with that measure at `--budget` stored bits per weight, measured on the calibration batches.
 Each is quantized with calibrated rounding on the six calibration plays (16 x 512 tokens) and compared with the
 float32 base on Hamlet + Macbeth (`--tokens` tokens): one JSON line (bits per weight, seconds, mean KL, perplexity,
@@ -34,7 +36,7 @@ from turboquant_hf.evaluation import compare_on_text, tokenize_text
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("allocation", choices=["rule", "energy", "fisher"])
+    p.add_argument("allocation", choices=["auto", "rule", "energy", "fisher"])
     p.add_argument("--budget", type=float, default=3.5)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--tokens", type=int, default=16384)
@@ -46,6 +48,16 @@ def main() -> None:
     cal = CalibrationConfig(data=calibration_file(), samples=args.samples, sequence_length=512, seed=0)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     start = time.perf_counter()
+    if args.allocation == "auto":
+        config = TurboQuantConfig(bits=3, group_size=128, target_bits_per_weight=args.budget, calibration=cal)
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, quantization_config=config).eval()
+        seconds = round(time.perf_counter() - start, 1)
+        record = model.config.quantization_config.calibrated_with
+        plain = TurboQuantConfig(bits=3, group_size=128, module_bits=model.config.quantization_config.module_bits)
+        report = compare_on_text(base, model, ids).as_dict()
+        print(json.dumps({"allocation": "auto", "bit_allocation": record["bit_allocation"],
+                          "bits_per_weight": budget.bits_per_weight(base, plain), "seconds": seconds, **report}))
+        return
     if args.allocation == "rule":
         module_bits = {r"\.(v_proj|down_proj)$": 4}
     else:

@@ -88,6 +88,8 @@ def main():
     widths = budget.default_widths(config, args.allow_lower)
     losses, seconds = {}, {}
     for measure in args.measures:
+        if measure == "auto":  # an allocation-level choice: run per budget below
+            continue
         t0 = time.perf_counter()
         use = batches[: args.kl_samples] if measure == "kl" else batches
         losses[measure] = budget.sensitivities(base, config, use, measure, widths)
@@ -119,6 +121,14 @@ def main():
         for m, measured in losses.items():
             chosen = budget.allocate_from(base, cfg, measured, widths)
             rows.append({"budget": target, "allocation": m, **evaluate(chosen, cfg)})
+        if "auto" in args.measures:
+            t0 = time.perf_counter()
+            report = {}
+            chosen = budget.allocate_bits(base, cfg, batches, widths=widths, report=report)
+            seconds[f"auto {target}"] = time.perf_counter() - t0
+            rows.append({"budget": target, "allocation": f"auto (chose {report['measure']})",
+                         "kl_on_calibration": report["kl"], **evaluate(chosen, cfg)})
+            print(rows[-1], flush=True)
         rows.append({"budget": target, "allocation": "rule v_proj+down_proj",
                      **evaluate(budget.fixed_rule(base, cfg, RULE), cfg)})
         print(rows[-1], flush=True)

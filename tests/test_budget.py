@@ -60,6 +60,10 @@ def test_accounting_equals_the_saved_bytes_and_module_bits_reload(tiny_llama_dir
         assert json.load(f)["quantization_config"]["module_bits"] == saved_bits
     with open(os.path.join(tmp_path, "tq_config.json")) as f:
         assert json.load(f)["module_bits"] == saved_bits
+    allocation = q.config.quantization_config.calibrated_with["bit_allocation"]
+    assert allocation["measure"] in budget.AUTO_CANDIDATES and set(allocation) == {"measure", "kl_fisher", "kl_energy"}
+    with open(os.path.join(tmp_path, "README.md")) as f:
+        assert f"allocated under the budget by the {allocation['measure']} measure" in f.read()
     ids = _batches(1, 16, seed=5)[0]
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert torch.equal(again(ids).logits, q(ids).logits)
@@ -80,6 +84,59 @@ def test_allocation_meets_the_budget_within_one_upgrade(target):
             extra = budget.stored_bits(4, *linears[name], 64) - budget.stored_bits(3, *linears[name], 64)
             assert extra > left
     assert set(chosen) == set(linears)
+
+
+def test_measured_kl_equals_a_direct_computation_and_restores_the_weights():
+    """`measured_kl` of an assignment is the mean KL(base || model with those widths rounded to nearest), the same
+    as replacing the weights by hand; the float weights are back afterwards, bit for bit."""
+    import torch.nn.functional as F
+
+    model = _model()
+    config = TurboQuantConfig(bits=3, group_size=64)
+    linears, _ = budget.quantized_tensors(model, config)
+    before = {n: model.get_submodule(n).weight.detach().clone() for n in linears}
+    four = dict.fromkeys(linears, 4)
+    one = {"model.layers.1.mlp.down_proj": 4}
+    batches = _batches()
+    kl = budget.measured_kl(model, config, {"three": {}, "four": four, "one": one}, batches)
+    assert all(torch.equal(model.get_submodule(n).weight, w) for n, w in before.items())
+
+    def direct(assignment):
+        other = _model()
+        with torch.no_grad():
+            for n in linears:
+                other.get_submodule(n).weight.copy_(budget._rounded(before[n], assignment.get(n, 3), 64))
+            total = sum(F.kl_div(F.log_softmax(other(b).logits[0], -1), F.log_softmax(model(b).logits[0], -1),
+                                 log_target=True, reduction="sum").item() for b in batches)
+        return total / sum(b.numel() for b in batches)
+
+    for label, assignment in (("three", {}), ("four", four), ("one", one)):
+        assert kl[label] == pytest.approx(direct(assignment), rel=1e-4)
+    assert 0 < kl["four"] < kl["three"] / 4
+
+
+def test_auto_keeps_the_allocation_with_the_lower_measured_kl(monkeypatch):
+    """The default measure builds the Fisher and the energy allocations and keeps the one whose rounded model has
+    the lower measured KL on the batches: each candidate wins when its KL is the lower."""
+    model = _model()
+    config = TurboQuantConfig(bits=3, group_size=64, target_bits_per_weight=3.5)
+    fisher = budget.allocate_bits(model, config, _batches(), measure="fisher")
+    energy = budget.allocate_bits(model, config, _batches(), measure="energy")
+    assert fisher != energy
+    report = {}
+    chosen = budget.allocate_bits(model, config, _batches(), report=report)
+    measured = budget.measured_kl(model, config, {"fisher": fisher, "energy": energy}, _batches())
+    assert report["kl"] == pytest.approx(measured, rel=1e-6)
+    winner = min(measured, key=measured.get)
+    assert report["measure"] == winner and chosen == {"fisher": fisher, "energy": energy}[winner]
+    for favoured, other in (("energy", "fisher"), ("fisher", "energy")):
+        monkeypatch.setattr(budget, "measured_kl", lambda m, c, a, b, f=favoured, o=other: {f: 0.1, o: 0.2})
+        report = {}
+        assert budget.allocate_bits(model, config, _batches(), report=report) == {"fisher": fisher,
+                                                                                  "energy": energy}[favoured]
+        assert report["measure"] == favoured
+    with pytest.raises(ValueError, match="has no per-tensor losses"):
+        budget.sensitivities(model, config, _batches(), measure="auto")
 
 
 def test_user_module_bits_stay_fixed():
@@ -188,7 +245,9 @@ def test_smollm2_fisher_allocation_beats_the_fixed_rule(smollm2_dir, shakespeare
     ids = tokenize_text(tok, shakespeare, 512)
     base_lp = window_log_probs(base, ids)
     config = TurboQuantConfig(bits=3, target_bits_per_weight=3.75)
-    chosen = budget.allocate_bits(base, config, [cal[:128].unsqueeze(0), cal[128:].unsqueeze(0)])
+    report = {}
+    chosen = budget.allocate_bits(base, config, [cal[:128].unsqueeze(0), cal[128:].unsqueeze(0)], report=report)
+    assert report["measure"] == "fisher" and report["kl"]["fisher"] < report["kl"]["energy"]
     rule = budget.fixed_rule(base, config, (r"\.v_proj$", r"\.down_proj$"))
 
     def kl(assignment):

@@ -12,6 +12,10 @@ extra stored bit until no further upgrade fits the budget. Fused experts modules
 count at their stored size.
 
 Sensitivity measures (`MEASURES`):
+  * "auto" (the default): the allocations of "fisher" and of "energy" (one statistics pass gives both), each
+    rounded to nearest and judged by its measured mean KL(base || quantized) on the same batches; the lower wins.
+    Neither proxy wins on every model (benchmarks/BUDGET.md: Fisher on SmolLM2-135M, energy on Gemma-3-270M at
+    3.5 bits), and one extra forward per batch and candidate tells them apart;
   * "fisher": for each Linear, `sum_j g_j^2 (dW H dW^T)_jj`, the output error of the round-to-nearest weight
     error dW under the input Hessian H = sum X^T X, weighted per output channel by the mean squared gradient g_j^2
     of the language-model loss with respect to that output (a diagonal Fisher estimate of the loss increase);
@@ -20,8 +24,7 @@ Sensitivity measures (`MEASURES`):
   * "kl": the measured mean KL(base || quantized) of the final logits with that tensor alone rounded at each
     width (one forward per tensor and width: the ground truth the others are judged against; expensive).
 
-"fisher" is the default: on SmolLM2-135M it gives the lowest held-out KL of the four at every budget measured
-(benchmarks/BUDGET.md). The widths are the config's bits and 4, and 2 when the target is below what the config's
+The widths are the config's bits and 4, and 2 when the target is below what the config's
 bits alone cost (a downgrade is then needed).
 """
 
@@ -38,8 +41,9 @@ from . import planning
 from .codec import dequantize_weight, quantize_weight
 from .modules import is_conv1d
 
-MEASURES = ("fisher", "energy", "weight", "kl")
-DEFAULT_MEASURE = "fisher"
+MEASURES = ("auto", "fisher", "energy", "weight", "kl")
+DEFAULT_MEASURE = "auto"
+AUTO_CANDIDATES = ("fisher", "energy")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,13 +198,17 @@ def _mean_kl(model, batches, base_lp, device) -> float:
     return total / n
 
 
-def sensitivities(model: nn.Module, config, batches, measure: str = DEFAULT_MEASURE, widths=None,
+def sensitivities(model: nn.Module, config, batches, measure: str = "fisher", widths=None,
                   names=None) -> dict[str, dict]:
     """{Linear name: {bits: loss}} for each width of `widths` (default `default_widths(config)`) and each free
-    Linear of the plan (or `names`), under `measure` (one of `MEASURES`). Lower is better; only differences
-    between widths of one tensor, and across tensors, matter."""
+    Linear of the plan (or `names`), under `measure` (one of `MEASURES` but "auto", which chooses between whole
+    allocations in `allocate_bits`). Lower is better; only differences between widths of one tensor, and across
+    tensors, matter."""
     if measure not in MEASURES:
         raise ValueError(f"sensitivity measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+    if measure == "auto":
+        raise ValueError('sensitivities: "auto" chooses between whole allocations (allocate_bits) and has no '
+                         'per-tensor losses; ask for "fisher", "energy", "weight" or "kl"')
     widths = tuple(widths) if widths is not None else default_widths(config)
     if names is None:
         linears, _ = quantized_tensors(model, config)
@@ -215,22 +223,67 @@ def sensitivities(model: nn.Module, config, batches, measure: str = DEFAULT_MEAS
     if measure == "kl":
         return _kl_sensitivities(model, names, batches, widths, g)
     hessians, grads, _ = collect_statistics(model, names, batches, gradients=measure == "fisher")
-    out = {}
+    return hessian_losses(model, names, hessians, grads, widths, g)[measure]
+
+
+def hessian_losses(model: nn.Module, names, hessians: dict, grads: dict | None, widths, group_size: int) -> dict:
+    """{"energy": {name: {bits: loss}}, "fisher": ... (only with `grads`)}: both Hessian measures from one rounding
+    of each tensor at each width (`collect_statistics` gives `hessians` and `grads`)."""
+    out = {"energy": {}}
+    if grads:
+        out["fisher"] = {}
     for name in names:
-        module = model.get_submodule(name)
-        w = _weight(module).float()
+        w = _weight(model.get_submodule(name)).float()
         h = hessians[name]
-        scale = grads[name] if measure == "fisher" else None
         energy = ((w @ h) * w).sum().item()
-        out[name] = {}
+        for measure in out:
+            out[measure][name] = {}
         for b in widths:
-            dw = _rounded(w, b, g) - w
+            dw = _rounded(w, b, group_size) - w
             per_row = ((dw @ h) * dw).sum(1)
-            if measure == "fisher":
-                out[name][b] = (scale * per_row).sum().item()
-            else:
-                out[name][b] = per_row.sum().item() / max(energy, 1e-30)
+            out["energy"][name][b] = per_row.sum().item() / max(energy, 1e-30)
+            if grads:
+                out["fisher"][name][b] = (grads[name] * per_row).sum().item()
     return out
+
+
+def measured_kl(model: nn.Module, config, assignments: dict[str, dict], batches) -> dict[str, float]:
+    """{label: mean KL(base || quantized) over the tokens of `batches`} for each `assignments[label]` ({Linear
+    name: bits}; the other Linears of the plan at the config's bits), every Linear of the plan rounded to nearest
+    (fused experts stay as they are: they are at the config's bits under every assignment). Each rounded tensor is
+    computed once and shared between the assignments that use it; the float weights are back in place on return."""
+    linears, _ = quantized_tensors(model, config)
+    device = _device(model)
+    g = config.group_size
+    rounded: dict[tuple, torch.Tensor] = {}
+    originals = {name: model.get_submodule(name).weight.data for name in linears}
+    for assignment in assignments.values():
+        for name in linears:
+            b = assignment.get(name, config.bits_for(name))
+            if (name, b) not in rounded:
+                module = model.get_submodule(name)
+                q = _rounded(_weight(module), b, g)
+                rounded[name, b] = (q.t() if is_conv1d(module) else q).contiguous().to(originals[name].dtype)
+    totals = dict.fromkeys(assignments, 0.0)
+    positions = 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                ids = batch.to(device)
+                for name, data in originals.items():
+                    model.get_submodule(name).weight.data = data
+                base = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+                positions += base.shape[0] * base.shape[1]
+                for label, assignment in assignments.items():
+                    for name in linears:
+                        model.get_submodule(name).weight.data = rounded[name, assignment.get(name, config.bits_for(name))]
+                    q = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+                    totals[label] += (base.exp() * (base - q)).sum().item()
+                del base
+    finally:
+        for name, data in originals.items():
+            model.get_submodule(name).weight.data = data
+    return {label: total / max(positions, 1) for label, total in totals.items()}
 
 
 def _kl_sensitivities(model, names, batches, widths, group_size) -> dict[str, dict]:
@@ -278,13 +331,17 @@ def greedy(costs: dict[str, dict], losses: dict[str, dict], available: float) ->
 
 
 def allocate_bits(model: nn.Module, config, batches, measure: str = DEFAULT_MEASURE, widths=None,
-                  allow_lower: bool | None = None) -> dict[str, object]:
+                  allow_lower: bool | None = None, report: dict | None = None) -> dict[str, object]:
     """{Linear name: bits} for the free Linears of the plan of `config` on the float `model`, meeting
     `config.target_bits_per_weight` (stored bits per quantized weight, norms included, over every tensor the plan
     quantizes; module docstring) exactly or below it by less than one upgrade. Linears matched by a `module_bits`
     pattern of the user keep their bits and count at them. `batches`: (1, T) token tensors for the measure;
     `measure`: one of `MEASURES`; `widths`: the candidate widths (default `default_widths(config, allow_lower)`;
-    `allow_lower=None`: 2 bits is a candidate only when the target is below the config's own widths' cost)."""
+    `allow_lower=None`: 2 bits is a candidate only when the target is below the config's own widths' cost).
+    `report`, if given, receives what was chosen: "measure" (for "auto", the candidate that won) and, for "auto",
+    "kl" ({candidate: measured mean KL on the batches})."""
+    if measure not in MEASURES:
+        raise ValueError(f"sensitivity measure must be one of {', '.join(MEASURES)}, got {measure!r}")
     if widths is None:
         if allow_lower is None:
             target = config.target_bits_per_weight
@@ -294,8 +351,25 @@ def allocate_bits(model: nn.Module, config, batches, measure: str = DEFAULT_MEAS
     accounting = _accounting(model, config, widths)
     if not accounting[0]:
         return {}
-    losses = sensitivities(model, config, batches, measure, widths, names=list(accounting[0]))
-    return allocate_from(model, config, losses, widths, accounting)
+    names = list(accounting[0])
+    batches = list(batches)
+    report = report if report is not None else {}
+    if measure != "auto":
+        report["measure"] = measure
+        losses = sensitivities(model, config, batches, measure, widths, names=names)
+        return allocate_from(model, config, losses, widths, accounting)
+    hessians, grads, _ = collect_statistics(model, names, batches, gradients=True)
+    losses = hessian_losses(model, names, hessians, grads, widths, config.group_size)
+    del hessians, grads
+    candidates = {m: allocate_from(model, config, losses[m], widths, accounting) for m in AUTO_CANDIDATES}
+    distinct = {}
+    for m, chosen in candidates.items():
+        if chosen not in distinct.values():
+            distinct[m] = chosen
+    kl = measured_kl(model, config, distinct, batches) if len(distinct) > 1 else dict.fromkeys(distinct, float("nan"))
+    best = min(distinct, key=lambda m: (kl[m], AUTO_CANDIDATES.index(m)))
+    report.update(measure=best, kl={m: kl.get(m, kl[best]) for m in candidates})
+    return candidates[best]
 
 
 def _accounting(model, config, widths):

@@ -536,7 +536,14 @@ def calibration_text(record: dict | None) -> str | None:
         if "seed" in record:
             size += f", seed {record['seed']}"
     method = f" ({record['method']})" if isinstance(record.get("method"), str) else ""
-    return f"Calibrated{method} on {source}{size}."
+    text = f"Calibrated{method} on {source}{size}."
+    allocation = record.get("bit_allocation")
+    if isinstance(allocation, dict) and allocation.get("measure"):
+        kls = ", ".join(f"{k[3:]} {v:.4f}" for k, v in allocation.items()
+                        if k.startswith("kl_") and isinstance(v, (int, float)) and not math.isnan(v))
+        text += (f" Bits per tensor allocated under the budget by the {allocation['measure']} measure"
+                 f"{f' (mean KL of each candidate on the calibration data: {kls})' if kls else ''}.")
+    return text
 
 
 def _template():

@@ -297,13 +297,22 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
     cal = config.calibration if config.calibration is not None else CalibrationConfig()
     resolve_options(cal.options)  # a bad option is reported before any work
     batches = calibration_batches(cal, model)
+    allocation = None
     if config.target_bits_per_weight is not None:
         from .budget import allocate_bits
 
-        chosen = allocate_bits(model, config, batches)
+        allocation = {}
+        chosen = allocate_bits(model, config, batches, report=allocation)
         config.module_bits = {**{f"^{re.escape(name)}$": bits for name, bits in chosen.items()},
                               **config.module_bits}
+        logger.info("TurboQuant: bits allocated by the %s measure%s", allocation["measure"],
+                    "".join(f"; mean KL on the calibration batches, {m}: {v:.4f}"
+                            for m, v in allocation.get("kl", {}).items()))
     record = describe(cal, batches)
+    if allocation is not None:
+        record["bit_allocation"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in
+                                    {"measure": allocation["measure"], **{f"kl_{m}": v for m, v in
+                                                                         allocation.get("kl", {}).items()}}.items()}
     if config.calibration is not None:
         summary = calibrate_model(model, config, batches)
         record.update(method=summary["method"], damping=summary["damping"])
