@@ -1,6 +1,6 @@
 """CUDA implementation of `torch.ops.turboquant.moe_experts` (routed experts, packed weights).
 
-Decode (at most `PAIR_MAX_ROWS` routed (token, slot) pairs; any bit width): five launches and no host
+Decode (at most `tuning.PAIR_MAX_ROWS` routed (token, slot) pairs; any bit width): five launches and no host
 synchronisation, so the layer can be captured in a CUDA graph:
 
 1. `rotate` the tokens once (every expert of a token reads the same rotated row);
@@ -12,7 +12,7 @@ synchronisation, so the layer can be captured in a CUDA graph:
 5. the GEMV over pairs with the down matrices, then the top-k weighted sum per token.
 
 Otherwise (prefill), for 2-, 3- and 4-bit experts (ternary in its runtime layout) and 16-bit activations, up to
-`FUSED_MAX_PAIRS` pairs (by default every prefill): the tokens rotated once, the (token, slot) pairs grouped by
+`tuning.FUSED_MAX_PAIRS` pairs (by default every prefill): the tokens rotated once, the (token, slot) pairs grouped by
 expert on the device (`_device_routing`: a counting sort in three small kernels), and the routed experts decoded inside two grouped tensor-core
 products (`routed_lut_mm`: each program finds its block's expert from the group sizes, decodes that expert's
 weight tiles in registers and multiplies them with the block's rows; the gate/up product reads each pair's
@@ -20,9 +20,9 @@ token row directly) around one activation kernel (`act_mul`, then the intermedia
 kernel (`combine`) sums each token's pairs with its routing weights. No scratch buffer and no host
 synchronisation at any length; experts no pair needs are never read.
 
-With `FUSED_MAX_PAIRS` lowered, longer prefills take the decoded path instead:
-the tokens are rotated once (`PREFILL_ROTATED_BASIS`), the (token, slot) pairs sorted by expert, the routed
-experts' matrices decoded in the rotated basis into a scratch buffer of at most `PREFILL_SCRATCH_BYTES`, and two
+With `tuning.FUSED_MAX_PAIRS` lowered, longer prefills take the decoded path instead:
+the tokens are rotated once (`tuning.PREFILL_ROTATED_BASIS`), the (token, slot) pairs sorted by expert, the routed
+experts' matrices decoded in the rotated basis into a scratch buffer of at most `tuning.PREFILL_SCRATCH_BYTES`, and two
 grouped matrix products (`torch._grouped_mm`, bfloat16 on CUDA; a product per expert otherwise) run around one
 activation kernel (`act_mul`, then the intermediate rows rotated); one gather kernel (`combine`) sums each
 token's pairs with its routing weights. When the pairs are at least as many as the experts and all the
@@ -39,30 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-from turboquant_hf import settings
-
 from . import linear as L
+from . import tuning as T
 from .launch import cdiv, launch, next_power_of_2
 from .lut import _byte_tables
 from .prefill import _lut_tile
 from .units import _load_units
-
-# Most (token, slot) pairs served by the pair GEMV path.
-PAIR_MAX_ROWS = 64
-
-
-# Largest scratch buffer of decoded expert weights at prefill (bytes; `TURBOQUANT_MOE_SCRATCH_MB`): the routed
-# experts are decoded in chunks that fit (at least one expert at a time), or all at once with the routing on the
-# device where every expert's largest matrix fits.
-PREFILL_SCRATCH_BYTES = settings.moe_scratch_bytes()
-# Prefill: rotate the activations and decode the experts in the rotated basis (True), or decode the experts with
-# the rotation undone on the tensor cores and multiply the activations as they are (False).
-PREFILL_ROTATED_BASIS = True
-# Prefill: the routed experts decoded inside the grouped products (`routed_lut_mm`: no scratch buffer, no host
-# synchronisation) for up to this many (token, slot) pairs; above it, decoded into the scratch buffer for
-# `torch._grouped_mm` (`_grouped_decoded`). 0: never fused.
-FUSED_MAX_PAIRS = 1 << 62
-
 
 def _activation(name: str):
     from turboquant_hf.activations import ACTIVATIONS
@@ -164,7 +146,7 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
     if t == 0:
         return torch.zeros_like(hidden)
     sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
-    if t * k <= PAIR_MAX_ROWS:
+    if t * k <= T.PAIR_MAX_ROWS:
         idx = top_k_index.reshape(-1)
         gu = _pairs(hidden, idx, k, gate_up_packed, gate_up_norms, gate_up_codebook, s1, s2, group_size, e,
                     unit_gu if sixteen else 0)
@@ -174,7 +156,7 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
         out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
         return out.to(hidden.dtype)
     if sixteen and unit_gu and unit_d:
-        plan = _fused_routed if t * k <= FUSED_MAX_PAIRS else _grouped_decoded
+        plan = _fused_routed if t * k <= T.FUSED_MAX_PAIRS else _grouped_decoded
         return plan(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed,
                     down_norms, down_codebook, s1, s2, group_size, e, activation, inter)
     return _grouped(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
@@ -193,7 +175,7 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
 
 def _expert_chunks(counts, per_expert_bytes: int, grouped: bool):
     """The routed experts (those with tokens, in order) in chunks whose decoded matrices fit
-    `PREFILL_SCRATCH_BYTES`: yields (start, stop) of the chunk's rows among the pairs sorted by expert, the
+    `tuning.PREFILL_SCRATCH_BYTES`: yields (start, stop) of the chunk's rows among the pairs sorted by expert, the
     expert numbers (int32 tensor), for `torch._grouped_mm` their end offsets (else None), and the row count per
     expert.
 
@@ -203,7 +185,7 @@ def _expert_chunks(counts, per_expert_bytes: int, grouped: bool):
     queues the next chunk's kernels."""
     counts_dev, counts = counts
     active = [ex for ex, c in enumerate(counts) if c]
-    step = max(1, PREFILL_SCRATCH_BYTES // per_expert_bytes)
+    step = max(1, T.PREFILL_SCRATCH_BYTES // per_expert_bytes)
     host = torch.tensor(active, dtype=torch.int32)
     if counts_dev.device.type == "cuda":
         active_dev = host.pin_memory().to(counts_dev.device, non_blocking=True)
@@ -300,17 +282,17 @@ def _device_routing(top_k_index: torch.Tensor, e: int):
 
 def _decoded_on_device(pairs: int, e: int, widest_bytes: int) -> bool:
     """Whether the decoded prefill keeps its routing on the device: at least as many pairs as experts, and every
-    expert's largest decoded matrix (`widest_bytes` each) fits `PREFILL_SCRATCH_BYTES` at once."""
-    return pairs >= e and e * widest_bytes <= PREFILL_SCRATCH_BYTES
+    expert's largest decoded matrix (`widest_bytes` each) fits `tuning.PREFILL_SCRATCH_BYTES` at once."""
+    return pairs >= e and e * widest_bytes <= T.PREFILL_SCRATCH_BYTES
 
 
 def host_waits(pairs: int, e: int, widest_bytes: int, lookup: bool = True) -> bool:
     """Whether `moe_experts` over `pairs` (token, slot) pairs waits for the host (so cannot be captured in a CUDA
-    graph): never at decode (`PAIR_MAX_ROWS`) or in the fused routed products (`lookup`: 16-bit activations and
-    2-, 3-, 4-bit or runtime-layout ternary experts, up to `FUSED_MAX_PAIRS`); in the decoded prefill unless
+    graph): never at decode (`tuning.PAIR_MAX_ROWS`) or in the fused routed products (`lookup`: 16-bit activations and
+    2-, 3-, 4-bit or runtime-layout ternary experts, up to `tuning.FUSED_MAX_PAIRS`); in the decoded prefill unless
     `_decoded_on_device` (`widest_bytes`: an expert's decoded gate/up matrix); always in the per-expert products of
     the other tiers."""
-    if pairs <= PAIR_MAX_ROWS or (lookup and pairs <= FUSED_MAX_PAIRS):
+    if pairs <= T.PAIR_MAX_ROWS or (lookup and pairs <= T.FUSED_MAX_PAIRS):
         return False
     return not (lookup and _decoded_on_device(pairs, e, widest_bytes))
 
@@ -322,7 +304,7 @@ def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt
 
     `widest`: the elements of an expert's largest matrix (decoded one projection at a time); `per_expert`: of all
     its matrices. One chunk with the routing on the device (no host synchronisation; `_device_routing`) where the
-    pairs are at least as many as the experts and every expert's largest matrix fits `PREFILL_SCRATCH_BYTES` at
+    pairs are at least as many as the experts and every expert's largest matrix fits `tuning.PREFILL_SCRATCH_BYTES` at
     once; otherwise the counts come to the host (`routing.expert_groups`, one synchronisation) and the routed experts
     are decoded in chunks of `per_expert`-sized experts that fit."""
     from turboquant_hf.routing import expert_groups
@@ -340,7 +322,7 @@ def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt
 
 def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1,
                      s2, g, e, activation, inter):
-    """Prefill over the routed experts' decoded weights (see the module docstring). With `PREFILL_ROTATED_BASIS`
+    """Prefill over the routed experts' decoded weights (see the module docstring). With `tuning.PREFILL_ROTATED_BASIS`
     the activations are rotated instead (the tokens once, the intermediate rows once per chunk) and the weights
     decoded in the rotated basis, with no Walsh-Hadamard product per weight.
 
@@ -350,7 +332,7 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
     routed experts are decoded in chunks that fit the budget."""
     h = hidden.shape[1]
     wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
-    rotated = PREFILL_ROTATED_BASIS
+    rotated = T.PREFILL_ROTATED_BASIS
     x_all = L.rotate(hidden, s1, s2, g, wdt) if rotated else hidden.to(wdt)
     tok, pos, chunks, grouped = _prefill_plan(hidden, top_k_index, e, 2 * inter * h, 3 * inter * h, wdt)
     x = x_all[tok]  # the routed pairs' tokens, sorted by expert
@@ -440,7 +422,7 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
     """CUDA implementation of `turboquant::hadamard_moe_experts` (turboquant-mlx experts: gate, up and down
     each with their own whole-row rotation signs, codebook and group size).
 
-    Decode (at most `PAIR_MAX_ROWS` routed pairs): the rotations in torch (`rotation.rotate_rows`, no host
+    Decode (at most `tuning.PAIR_MAX_ROWS` routed pairs): the rotations in torch (`rotation.rotate_rows`, no host
     synchronisation), the routed-pair GEMVs of `_pairs` (LUT or select GEMV), so the layer can be captured
     in a CUDA graph. Longer prompts with 16-bit activations and lookup-decodable projections (2-, 3-, 4-bit,
     ternary in its runtime layout): the rotations in torch, once per token, and the routed experts' rotated-basis
@@ -461,11 +443,11 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
                       ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i)))
     act = _activation(activation)
     sixteen = hidden.dtype in (torch.bfloat16, torch.float16)
-    if t and t * k > PAIR_MAX_ROWS and sixteen and all(  # (lut_unit: 0 where a group is smaller than a unit)
+    if t and t * k > T.PAIR_MAX_ROWS and sixteen and all(  # (lut_unit: 0 where a group is smaller than a unit)
             L.lut_unit(cb.numel(), g) for cb, g in ((gate_codebook, g_h), (up_codebook, g_h), (down_codebook, g_i))):
-        plan = _hadamard_fused_routed if t * k <= FUSED_MAX_PAIRS else _hadamard_grouped_decoded
+        plan = _hadamard_fused_routed if t * k <= T.FUSED_MAX_PAIRS else _hadamard_grouped_decoded
         return plan(*args[:15], e, act)
-    if t == 0 or t * k > PAIR_MAX_ROWS or not whole_units:
+    if t == 0 or t * k > T.PAIR_MAX_ROWS or not whole_units:
         return ops.turboquant_hadamard_moe_experts(*args)
     idx = top_k_index.reshape(-1)
     x = hidden.to(torch.float32)
@@ -528,8 +510,8 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
                               down_signs, e, act):
     """Prefill of whole-row-Hadamard experts: the tokens rotated once per projection's signs (shared by every
     expert), the routed experts' rotated-basis matrices (`norm * codebook[idx]`) decoded in chunks of at most
-    `PREFILL_SCRATCH_BYTES`, grouped products as in `_grouped_decoded`, the intermediate rows rotated with the down
-    projection's signs between the two."""
+    `tuning.PREFILL_SCRATCH_BYTES`, grouped products as in `_grouped_decoded`, the intermediate rows rotated with
+    the down projection's signs between the two."""
     from turboquant_hf import rotation
 
     h = hidden.shape[1]

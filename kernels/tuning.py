@@ -1,9 +1,11 @@
-"""Tuning of the linear kernels in one place: the M thresholds of the dispatch (`linear.path`), the layout switches of
-the tensor-core GEMV and the rotation, and the programmatic-dependent-launch limits. Module globals, read at each
-call (tests and benchmarks set them here). Measurements behind them: benchmarks/RESULTS.md. The MoE op's plan
-limits (pairs served by the decode GEMVs, the fused routed products, the prefill scratch budget) head `moe.py`."""
+"""Tuning of the kernels in one place: the M thresholds of the dispatch (`linear.path`), the layout switches of the
+tensor-core GEMV and the rotation, the programmatic-dependent-launch limits, and the MoE op's plan limits (pairs
+served by the decode GEMVs, the fused routed products, the prefill scratch budget). Module globals, read at each
+call (tests and benchmarks set them here). Measurements behind them: benchmarks/RESULTS.md and benchmarks/E2E.md."""
 
 from __future__ import annotations
+
+from turboquant_hf import settings
 
 # Largest M served by the tensor-core GEMV; above it: dequantize + cuBLAS.
 DOT_MAX_M = 16
@@ -51,3 +53,20 @@ WIDE_MIN = 1 << 22
 PDL_MAX_K = 4096
 PDL_MAX_K_PAIRS = 16384
 PDL_PAIR_LEVELS = (4, 8, 16)  # the codebook sizes PDL_MAX_K_PAIRS applies to
+
+
+# MoE experts (`moe.moe_experts`)
+# Most (token, slot) pairs served by the pair GEMV path.
+PAIR_MAX_ROWS = 64
+
+# Largest scratch buffer of decoded expert weights at prefill (bytes; `TURBOQUANT_MOE_SCRATCH_MB`): the routed
+# experts are decoded in chunks that fit (at least one expert at a time), or all at once with the routing on the
+# device where every expert's largest matrix fits.
+PREFILL_SCRATCH_BYTES = settings.moe_scratch_bytes()
+# Prefill: rotate the activations and decode the experts in the rotated basis (True), or decode the experts with
+# the rotation undone on the tensor cores and multiply the activations as they are (False).
+PREFILL_ROTATED_BASIS = True
+# Prefill: the routed experts decoded inside the grouped products (`routed_lut_mm`: no scratch buffer, no host
+# synchronisation) for up to this many (token, slot) pairs; above it, decoded into the scratch buffer for
+# `torch._grouped_mm` (`_grouped_decoded`). 0: never fused.
+FUSED_MAX_PAIRS = 1 << 62

@@ -728,7 +728,7 @@ def M(L):
 
 
 @pytest.mark.parametrize("bits,runtime", [(3, True), (4, False), (4, True), (fmt.TERNARY, False), (fmt.TERNARY, True)])
-def test_moe_experts_kernel_paths(L, M, bits, runtime):
+def test_moe_experts_kernel_paths(L, M, bits, runtime, monkeypatch):
     """The CUDA implementation of the MoE op (run under the interpreter) against the torch reference:
     the pair path (few tokens: the pair GEMV for 3-bit, 4-bit and ternary in the runtime layout, the select GEMV
     for ternary bytes, with float16 norms) and the grouped path (many tokens: the routed experts decoded
@@ -746,7 +746,7 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
     if runtime:
         gu_k, d_k = layout.to_runtime(gu_p, nl, g, h // g), layout.to_runtime(d_p, nl, g, inter // g)
         cb_k = layout.runtime_codebook(cb)
-    M.PAIR_MAX_ROWS = 8  # (this copy only) 2 tokens x top-3 take the pair path, 4 tokens the grouped one
+    monkeypatch.setattr(T, "PAIR_MAX_ROWS", 8)  # 2 tokens x top-3 take the pair path, 4 tokens the grouped one
     chunked = 2 * (3 * inter * h) * 4  # two experts' float32 weights a chunk (the host-synchronised path)
     # the prefill paths: the fused routed products, then decoded into the scratch buffer in chunks, then every
     # expert at once (routing on the device), rotated basis or not
@@ -755,8 +755,9 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
         [(1 << 30, False, 0)] if bits == 3 else [])
     for scratch, rotated, fused_max in settings:
         t = 2 if scratch is None else 4
-        M.PREFILL_SCRATCH_BYTES, M.PREFILL_ROTATED_BASIS = scratch or chunked, rotated
-        M.FUSED_MAX_PAIRS = fused_max
+        monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch or chunked)
+        monkeypatch.setattr(T, "PREFILL_ROTATED_BASIS", rotated)
+        monkeypatch.setattr(T, "FUSED_MAX_PAIRS", fused_max)
         hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
         top_k_index = torch.randint(0, e, (t, 3), generator=gen)
         top_k_index[0, 1] = e  # "no expert"
@@ -767,7 +768,6 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime):
         y = M.moe_experts(hidden, top_k_index, top_k_weights, gu_k, gu_n, cb_k, d_k, d_n, cb_k, s1, s2, g, e, "silu")
         assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
         assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, _rel(y, ref))
-    M.PREFILL_ROTATED_BASIS, M.FUSED_MAX_PAIRS = True, 1 << 62  # (this copy's defaults)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, fmt.TERNARY])
@@ -808,10 +808,10 @@ def test_moe_scratch_budget_from_environment(L, monkeypatch):
     MiB is refused with an error naming the variable."""
     import turboquant_hf.kernels as kpkg
 
-    path = os.path.join(os.path.dirname(kpkg.__file__), "moe.py")
+    path = os.path.join(os.path.dirname(kpkg.__file__), "tuning.py")
 
     def load():
-        spec = importlib.util.spec_from_file_location("turboquant_hf.kernels._moe_budget", path)
+        spec = importlib.util.spec_from_file_location("turboquant_hf.kernels._tuning_budget", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
@@ -883,7 +883,7 @@ def test_combine_sums_routed_rows(M):
 
 
 @pytest.mark.parametrize("tiers", [(3, 3, 3), (fmt.TERNARY, fmt.TERNARY, 4)])
-def test_hadamard_moe_experts_kernel_path(L, M, tiers):
+def test_hadamard_moe_experts_kernel_path(L, M, tiers, monkeypatch):
     """turboquant-mlx experts (whole-row rotations with per-projection signs and codebooks, float16 norms
     and codebooks) through the CUDA implementation's routed-pair path, run under the interpreter, against
     the torch reference op; a hidden width of 192 = 12 * 16 takes an order-12 block."""
@@ -900,7 +900,7 @@ def test_hadamard_moe_experts_kernel_path(L, M, tiers):
     wts = torch.rand(2, 3, generator=gen)
     args = (hidden, idx, wts, *parts, e, "silu")
     ref = ops.turboquant_hadamard_moe_experts(hidden.float(), *args[1:])
-    M.PAIR_MAX_ROWS = 8
+    monkeypatch.setattr(T, "PAIR_MAX_ROWS", 8)
     y = M.hadamard_moe_experts(*args)
     assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
     # four tokens: the prefill path (ternary in its runtime layout, read with the padded codebook, as
@@ -919,10 +919,11 @@ def test_hadamard_moe_experts_kernel_path(L, M, tiers):
     # (the experts decoded inside the products, then into the scratch buffer)
     settings = [(1 << 62, 1 << 30), (0, 1 << 30)] + ([(0, 2 * 3 * inter * h * 4)] if tiers[0] == fmt.TERNARY else [])
     for fused, scratch in settings:
-        M.FUSED_MAX_PAIRS, M.PREFILL_SCRATCH_BYTES = fused, scratch
+        monkeypatch.setattr(T, "FUSED_MAX_PAIRS", fused)
+        monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch)
         y = M.hadamard_moe_experts(hidden, idx, wts, *parts, e, "silu")
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, (fused, scratch, _rel(y, ref))
-    M.FUSED_MAX_PAIRS = 1 << 62  # (this copy's default again)
+    monkeypatch.setattr(T, "FUSED_MAX_PAIRS", 1 << 62)
     # float32 activations at prefill: the torch reference itself
     assert torch.equal(M.hadamard_moe_experts(hidden.float(), idx, wts, *parts, e, "silu"), ref)
 
