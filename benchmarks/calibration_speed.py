@@ -1,10 +1,11 @@
 """Time of calibrated rounding on a 7-8B-shaped model (or a tiny one, to try the script on a CPU).
 
-    python benchmarks/calibration_speed.py [--shape llama8b|tiny] [--samples 16] [--length 512] [--bits 3]
-                                           [--device cuda] [--json out.json] [--md out.md]
+    python benchmarks/calibration_speed.py [--shape llama8b|tiny] [--layers N] [--samples 16] [--length 512]
+                                           [--bits 3] [--device cuda] [--json out.json] [--md out.md]
 
 The model is a Llama-3.1-8B-shaped `LlamaForCausalLM` (hidden 4096, MLP 14336, 32 layers, vocabulary 128256) in
-bfloat16 with random normal(0, 0.02) weights: the time of calibration depends on the shapes, the number of tokens and
+bfloat16 on CUDA (float32 on a CPU) with random normal(0, 0.02) weights, all 32 decoder layers or the first
+`--layers` (the time per layer is what scales): the time of calibration depends on the shapes, the number of tokens and
 the device, not on the values. Calibration data: `--samples` sequences of `--length` random token ids. Timed:
 `calibration.calibrate_model` (the loader's path: block inputs captured once, then per decoder layer the input
 Hessians, error-feedback rounding of every Linear in the rotated basis, the stored norms fitted, and the layer run
@@ -36,8 +37,9 @@ SHAPES = {
 }
 
 
-def build(shape: str, device: str, dtype: torch.dtype):
-    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
+def build(shape: str, device: str, dtype: torch.dtype, layers: int | None = None):
+    dims = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
+    config = transformers.LlamaConfig(**dims, max_position_embeddings=8192, tie_word_embeddings=False)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
     model.to_empty(device=device)
@@ -64,6 +66,7 @@ def _sync(device: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="llama8b")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--bits", type=float, default=3)
@@ -82,9 +85,10 @@ def main() -> None:
 
     result = {"shape": args.shape, "bits": bits, "group_size": 128, "samples": args.samples, "length": args.length,
               "tokens": args.samples * args.length, "dtype": str(dtype).removeprefix("torch.")}
-    blocks = SHAPES[args.shape]["num_hidden_layers"]
+    blocks = args.layers or SHAPES[args.shape]["num_hidden_layers"]
+    result["layers"] = blocks
     for method in ("round-to-nearest", "calibrated"):
-        model = build(args.shape, args.device, dtype)
+        model = build(args.shape, args.device, dtype, args.layers)
         if args.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         base_memory = torch.cuda.memory_allocated() if args.device.startswith("cuda") else 0
@@ -123,9 +127,9 @@ def main() -> None:
     if args.md:
         cal_row = result["calibrated"]
         with open(args.md, "w") as f:
-            f.write("| shape | bits | calibration tokens | calibrated (s) | per layer (s, median) | round-to-nearest (s) "
-                    "| peak extra memory (GiB) |\n|---|---|---|---|---|---|---|\n")
-            f.write(f"| {args.shape} | {bits} | {result['tokens']} | {cal_row['seconds']} | "
+            f.write("| shape | layers | bits | calibration tokens | calibrated (s) | per layer (s, median) | "
+                    "round-to-nearest (s) | peak extra memory (GiB) |\n|---|---|---|---|---|---|---|---|\n")
+            f.write(f"| {args.shape} | {blocks} | {bits} | {result['tokens']} | {cal_row['seconds']} | "
                     f"{cal_row.get('seconds_per_block_median', 'n/a')} | {result['round-to-nearest']['seconds']} | "
                     f"{cal_row.get('peak_extra_gib', 'n/a')} |\n")
 
