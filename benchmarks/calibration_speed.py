@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import platform
 import sys
@@ -112,6 +113,7 @@ def main() -> None:
             result[method]["peak_extra_gib"] = round(peak / 2**30, 2)
         print(method, result[method], flush=True)
         del model
+        gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
