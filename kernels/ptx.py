@@ -45,12 +45,12 @@ def _prmt_c(a, b, SEL: tl.constexpr):
     3 set, that byte's top bit replicated (the sign-replicate mode)."""
     out = a & 0
     for q in tl.static_range(4):
-        N: tl.constexpr = (SEL >> (4 * q)) & 15
-        if (N & 7) < 4:
-            byte = (a >> (8 * (N & 3))) & 0xFF
+        n = (SEL >> (4 * q)) & 15  # a constexpr in each unrolled step (a `tl.constexpr` annotation here would
+        if (n & 7) < 4:            # redefine one name per step, which newer Tritons refuse)
+            byte = (a >> (8 * (n & 3))) & 0xFF
         else:
-            byte = (b >> (8 * (N & 3))) & 0xFF
-        if N >= 8:
+            byte = (b >> (8 * (n & 3))) & 0xFF
+        if n >= 8:
             byte = tl.where(byte >= 128, byte | 0xFF, byte & 0)
         out = out | (byte << (8 * q))
     return out

@@ -116,6 +116,30 @@ def shakespeare():
     return shakespeare_text()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-launches", metavar="DIR", default=None,
+                     help="under TRITON_INTERPRET=1: record every kernel launch into DIR (one JSON per worker) for "
+                          "tests/sm90_compile.py compile DIR")
+
+
+def pytest_configure(config):
+    folder = config.getoption("--record-launches")
+    if folder:
+        from sm90_compile import Recorder
+
+        config._tq_launches = (folder, Recorder())
+        config._tq_launches[1].install()
+
+
+def pytest_unconfigure(config):
+    recording = getattr(config, "_tq_launches", None)
+    if recording:
+        folder, recorder = recording
+        recorder.uninstall()
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        recorder.dump(os.path.join(folder, f"launches-{worker}.json"))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that take an interpreted kernels module (the `L` / `M` fixtures of test_kernels.py) form the
     `interpreter` group."""

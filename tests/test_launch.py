@@ -155,3 +155,47 @@ def test_arguments_without_a_key_take_tritons_path(fresh):
     for v in (16, 32, 48):
         LA.launch(k, (1,), torch.zeros(16), np.int64(v), A=1)
     assert len(k.slow) == 3 and not LA._CACHE
+
+
+_COMBINE = {"file": "moe.py", "name": "_combine_kernel",
+            "args": {"y_ptr": ["tensor", "torch.float32", True], "pos_ptr": ["tensor", "torch.int32", True],
+                     "w_ptr": ["tensor", "torch.float32", True], "out_ptr": ["tensor", "torch.bfloat16", True],
+                     "H": ["int", 128], "stride_y": ["int", 128], "stride_o": ["int", 128], "K": ["int", 3],
+                     "BC": ["int", 128]},
+            "options": {"num_warps": 4}}
+
+
+def _mma(use_asm: bool, activations: str) -> dict:
+    return {"file": "gemv_mma.py", "name": "_gemv_mma_kernel",
+            "args": {"xr_ptr": ["tensor", activations, True], "pk_ptr": ["tensor", "torch.int32", True],
+                     "nrm_ptr": ["tensor", "torch.float32", True], "cb_ptr": ["tensor", "torch.float32", True],
+                     "out_ptr": ["tensor", "torch.float32", True], "M": ["int", 1], "N": ["int", 20],
+                     "stride_xm": ["int", 384], "stride_om": ["int", 20], "NG": ["int", 6], "NLEV": ["int", 4],
+                     "G": ["int", 64], "KB": ["int", 64], "BN": ["int", 16], "BM": ["int", 8], "S": ["int", 4],
+                     "RUNTIME_LAYOUT": ["bool", False], "F16": ["bool", False], "PREFETCH": ["int", 2],
+                     "USE_ASM": ["bool", use_asm], "PDL": ["bool", False], "LANES_FIRST": ["bool", False],
+                     "XORDER": ["bool", False]},
+            "options": {"num_warps": 4, "num_stages": 1}}
+
+
+def test_sm90_compile_passes_real_launches_and_reports_what_the_compiler_refuses(tmp_path, capsys):
+    """`tests/sm90_compile.py compile` builds Triton's specialization from a recorded launch and compiles it for
+    sm_90 without a GPU: the MoE combine kernel and the tensor-core GEMV with bfloat16 activations (its inline-PTX
+    decode, as the GPU runs it) compile; the GEMV with float32 activations and the inline-PTX decode (bfloat16
+    weights against float32 activations in `tl.dot`, which the dispatch never launches) is refused by the
+    compiler, and the tool says so and fails."""
+    import json
+
+    import sm90_compile
+
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps([_COMBINE, _mma(False, "torch.bfloat16")]))
+    bad.write_text(json.dumps([_mma(True, "torch.float32")]))
+    assert sm90_compile.compile_all([str(good)], 90, 1, sass=True) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 specializations of 2 kernels compiled" in out
+    assert "gemv_mma.py:_gemv_mma_kernel: 1 specializations, SASS instructions" in out
+    assert sm90_compile.compile_all([str(bad)], 90, 1, sass=False, as_recorded=True) == 1
+    out = capsys.readouterr().out
+    assert "FAILED gemv_mma.py:_gemv_mma_kernel" in out and "Both operands must be same dtype" in out
+    assert "0 of 1 specializations" in out
