@@ -254,15 +254,14 @@ def measured_kl(model: nn.Module, config, assignments: dict[str, dict], batches)
     computed once and shared between the assignments that use it; the float weights are back in place on return."""
     linears, _ = quantized_tensors(model, config)
     device = _device(model)
-    g = config.group_size
+    modules = {name: model.get_submodule(name) for name in linears}
+    originals = {name: module.weight.data for name, module in modules.items()}
     rounded: dict[tuple, torch.Tensor] = {}
-    originals = {name: model.get_submodule(name).weight.data for name in linears}
     for assignment in assignments.values():
-        for name in linears:
+        for name, module in modules.items():
             b = assignment.get(name, config.bits_for(name))
             if (name, b) not in rounded:
-                module = model.get_submodule(name)
-                q = _rounded(_weight(module), b, g)
+                q = _rounded(_weight(module), b, config.group_size)
                 rounded[name, b] = (q.t() if is_conv1d(module) else q).contiguous().to(originals[name].dtype)
     totals = dict.fromkeys(assignments, 0.0)
     positions = 0
@@ -270,19 +269,19 @@ def measured_kl(model: nn.Module, config, assignments: dict[str, dict], batches)
         with torch.no_grad():
             for batch in batches:
                 ids = batch.to(device)
-                for name, data in originals.items():
-                    model.get_submodule(name).weight.data = data
+                for name, module in modules.items():
+                    module.weight.data = originals[name]
                 base = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
                 positions += base.shape[0] * base.shape[1]
                 for label, assignment in assignments.items():
-                    for name in linears:
-                        model.get_submodule(name).weight.data = rounded[name, assignment.get(name, config.bits_for(name))]
+                    for name, module in modules.items():
+                        module.weight.data = rounded[name, assignment.get(name, config.bits_for(name))]
                     q = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
                     totals[label] += (base.exp() * (base - q)).sum().item()
                 del base
     finally:
-        for name, data in originals.items():
-            model.get_submodule(name).weight.data = data
+        for name, module in modules.items():
+            module.weight.data = originals[name]
     return {label: total / max(positions, 1) for label, total in totals.items()}
 
 

@@ -304,8 +304,8 @@ def rtn_quantize(model: nn.Module, plan: planning.Plan) -> None:
 @torch.no_grad()
 def calibrate_model(model: nn.Module, config, batches, progress=None) -> dict:
     """Quantize the float `model` in place as `config` plans, calibrated on `batches` (token-id tensors, (1, T) each);
-    see the module docstring. `progress(i, n)`: called after the i-th of n blocks (from 1). Returns a summary (method, blocks,
-    seconds)."""
+    see the module docstring. `progress(i, n)`: called after the i-th of n blocks (from 1). Returns a summary
+    (method, blocks, seconds)."""
     if not batches:
         raise ValueError("calibration needs at least one batch of token ids")
     damping, options = settings(config.calibration)

@@ -310,9 +310,8 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
                             for m, v in allocation.get("kl", {}).items()))
     record = describe(cal, batches)
     if allocation is not None:
-        record["bit_allocation"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in
-                                    {"measure": allocation["measure"], **{f"kl_{m}": v for m, v in
-                                                                         allocation.get("kl", {}).items()}}.items()}
+        record["bit_allocation"] = {"measure": allocation["measure"],
+                                    **{f"kl_{m}": round(v, 6) for m, v in allocation.get("kl", {}).items()}}
     if config.calibration is not None:
         summary = calibrate_model(model, config, batches)
         record.update(method=summary["method"], damping=summary["damping"])
