@@ -293,8 +293,11 @@ def decode_tps(model, steps: int = 64, prompt: int = 16, compile: bool = False, 
     rows = []
     modes = [("CUDA graph", lambda: model.forward)]
     if compile:
-        modes.append(("torch.compile + CUDA graph",
-                      lambda: torch.compile(model.forward, fullgraph=True, dynamic=False)))
+        def compiled():
+            torch._dynamo.reset()  # each batch size and recipe compiles afresh: no recompile limit across rows
+            return torch.compile(model.forward, fullgraph=True, dynamic=False)
+
+        modes.append(("torch.compile + CUDA graph", compiled))
     with torch.no_grad():
         for mode, make in modes:
             try:
