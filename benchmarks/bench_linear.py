@@ -561,10 +561,11 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
            f"- date: {env['date']}",
            f"- command: `{command}`",
            "- method: same process, same shapes; weights random normal, G=128; several copies of each weight used "
-           "in turn so L2 (60 MB) does not serve them; M <= 16 timed as CUDA-graph replays (one call per buffer; "
-           "ours is 2 kernels: rotate + GEMV), M = 2048 both as CUDA-graph replays (ratio: the device's throughput, as "
-           "in a prefill whose kernels queue ahead of the GPU) and eager (eager ratio: each call's host work "
-           "included where it outlasts the GPU's; the peer is timed this way); median of 30; every output checked "
+           "in turn so the L2 cache (50 MB on the H100, 60 MB on the H200) does not serve them; M <= 16 timed as "
+           "CUDA-graph replays (one call per buffer; ours is 2 kernels: rotate + GEMV), M = 2048 both as CUDA-graph "
+           "replays (ratio: the device's throughput, as in a prefill whose kernels queue ahead of the GPU) and "
+           "eager (eager ratio: each call's host work included where it outlasts the GPU's; the peer is timed this "
+           "way); median of 30; every output checked "
            "against the float32 torch reference before and after timing (rel. error column). Ours reads the packed "
            "indices in the layout TurboQuantLinear holds on a GPU (2- and 3-bit: the runtime layout, "
            "`turboquant_hf.layout`, same bytes rearranged; 4-bit: the same bytes as sign-magnitude codes of the "
@@ -572,7 +573,7 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
            "norms in the dtype it stores (float16 for ternary, else float32); the peer always gets the published "
            "bytes.",
            "- ratio = bf16 time / ours (> 1: ours faster). GB/s counts the packed bytes ours reads + norms and the "
-           "bf16 weight (cuBLAS); the measured copy ceiling on this card is about 4300 GB/s.",
+           "bf16 weight (cuBLAS); the measured copy ceiling of the H200 is about 4300 GB/s.",
            f"- peer: {env.get('peer', 'n/a')}, its Triton kernels only (no vLLM), fed the same packed/norms "
            "buffers, codebook and seed-42 signs as ours, timed and checked the same way; the kernel is the one its "
            "vLLM linear method picks for a bf16 layer without its CUDA extension (3-bit: `tq_fwht_input_gemm` = "
