@@ -115,6 +115,42 @@ def test_measured_kl_equals_a_direct_computation_and_restores_the_weights():
     assert 0 < kl["four"] < kl["three"] / 4
 
 
+def test_measured_kl_rebuilding_each_weight_in_its_module_equals_keeping_them(monkeypatch):
+    """`resident=False` rebuilds each rounded weight from its codes just before its module runs: the same KLs to the
+    bit as keeping every rounded weight, with one module at a time holding a rounded weight (instead of all of
+    them); `None` picks by the free memory of the model's device; the weights are back afterwards."""
+    model = _model()
+    config = TurboQuantConfig(bits=3, group_size=64)
+    linears, _ = budget.quantized_tensors(model, config)
+    modules = {n: model.get_submodule(n) for n in linears}
+    pointers = {n: m.weight.data_ptr() for n, m in modules.items()}
+    before = {n: m.weight.detach().clone() for n, m in modules.items()}
+    assignments = {"three": {}, "four": dict.fromkeys(linears, 4), "one": {"model.layers.1.mlp.down_proj": 4}}
+    batches = _batches()
+    rounded_at_once = []
+
+    def count(module, args, output):  # runs before measured_kl's own hooks put the float weight back
+        rounded_at_once.append(sum(m.weight.data_ptr() != pointers[n] for n, m in modules.items()))
+
+    handles = [m.register_forward_hook(count) for m in modules.values()]
+    runs = {}
+    try:
+        for label, resident, free in (("kept", True, None), ("rebuilt", False, None), ("auto, small", None, 0),
+                                      ("auto, large", None, 1 << 60)):
+            monkeypatch.setattr(budget, "_free_bytes", lambda device, free=free: free)
+            rounded_at_once.clear()
+            kl = budget.measured_kl(model, config, assignments, batches, resident=resident)
+            runs[label] = kl, max(rounded_at_once)
+            assert all(m.weight.data_ptr() == pointers[n] and torch.equal(m.weight, before[n])
+                       for n, m in modules.items())
+    finally:
+        for h in handles:
+            h.remove()
+    assert runs["rebuilt"][0] == runs["kept"][0] == runs["auto, small"][0] == runs["auto, large"][0]
+    assert runs["kept"][1] == runs["auto, large"][1] == len(linears)
+    assert runs["rebuilt"][1] == runs["auto, small"][1] == 1
+
+
 def test_auto_keeps_the_allocation_with_the_lower_measured_kl(monkeypatch):
     """The default measure builds the Fisher and the energy allocations and keeps the one whose rounded model has
     the lower measured KL on the batches: each candidate wins when its KL is the lower."""

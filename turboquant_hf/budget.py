@@ -40,6 +40,7 @@ from . import format as fmt
 from . import planning
 from .codec import dequantize_weight, quantize_weight
 from .modules import is_conv1d
+from .shards import available_memory
 
 MEASURES = ("auto", "fisher", "energy", "weight", "kl")
 DEFAULT_MEASURE = "auto"
@@ -247,42 +248,88 @@ def hessian_losses(model: nn.Module, names, hessians: dict, grads: dict | None, 
     return out
 
 
-def measured_kl(model: nn.Module, config, assignments: dict[str, dict], batches) -> dict[str, float]:
+def measured_kl(model: nn.Module, config, assignments: dict[str, dict], batches,
+                resident: bool | None = None) -> dict[str, float]:
     """{label: mean KL(base || quantized) over the tokens of `batches`} for each `assignments[label]` ({Linear
     name: bits}; the other Linears of the plan at the config's bits), every Linear of the plan rounded to nearest
-    (fused experts stay as they are: they are at the config's bits under every assignment). Each rounded tensor is
-    computed once and shared between the assignments that use it; the float weights are back in place on return."""
+    (fused experts stay as they are: they are at the config's bits under every assignment). Each tensor is rounded
+    once per width in use and shared between the assignments that use it; the float weights are back in place on
+    return.
+
+    `resident=True` keeps every rounded weight in memory at the weight's dtype (about the model's size again, once
+    per extra width); `False` keeps only its packed codes and norms and rebuilds each weight just before its module
+    runs (one dequantization per module, batch and assignment; a fraction of the model's size, one module's weight
+    at a time). The two give the same numbers. `None`: resident when the rounded weights fit in half of the free
+    memory of the model's device."""
     linears, _ = quantized_tensors(model, config)
     device = _device(model)
     modules = {name: model.get_submodule(name) for name in linears}
     originals = {name: module.weight.data for name, module in modules.items()}
-    rounded: dict[tuple, torch.Tensor] = {}
-    for assignment in assignments.values():
+    widths = sorted({(name, a.get(name, config.bits_for(name))) for a in assignments.values() for name in modules},
+                    key=lambda nb: (nb[0], float(nb[1])))
+    if resident is None:
+        needed = sum(originals[name].numel() * originals[name].element_size() for name, _ in widths)
+        free = _free_bytes(device)
+        resident = free is None or needed <= free // 2
+
+    def rebuild(name, packed, norms):
+        q = dequantize_weight(packed, norms, _weight(modules[name]).shape[1], config.group_size)
+        return (q.t() if is_conv1d(modules[name]) else q).contiguous().to(originals[name].dtype)
+
+    stored = {}
+    for name, b in widths:
+        codes = quantize_weight(_weight(modules[name]).float(), b, config.group_size)
+        stored[name, b] = rebuild(name, *codes) if resident else codes
+    active: dict[str, object] = {}  # {name: bits} of the assignment being run (rebuilt weights only)
+    hooks = []
+    if not resident:
         for name, module in modules.items():
-            b = assignment.get(name, config.bits_for(name))
-            if (name, b) not in rounded:
-                q = _rounded(_weight(module), b, config.group_size)
-                rounded[name, b] = (q.t() if is_conv1d(module) else q).contiguous().to(originals[name].dtype)
+            def before(module, args, name=name):
+                if active:
+                    module.weight.data = rebuild(name, *stored[name, active[name]])
+
+            def after(module, args, output, name=name):
+                module.weight.data = originals[name]
+
+            hooks += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
     totals = dict.fromkeys(assignments, 0.0)
     positions = 0
     try:
         with torch.no_grad():
             for batch in batches:
                 ids = batch.to(device)
-                for name, module in modules.items():
-                    module.weight.data = originals[name]
                 base = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
                 positions += base.shape[0] * base.shape[1]
                 for label, assignment in assignments.items():
-                    for name, module in modules.items():
-                        module.weight.data = rounded[name, assignment.get(name, config.bits_for(name))]
-                    q = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+                    chosen = {name: assignment.get(name, config.bits_for(name)) for name in modules}
+                    if resident:
+                        for name, module in modules.items():
+                            module.weight.data = stored[name, chosen[name]]
+                    else:
+                        active.update(chosen)
+                    try:
+                        q = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+                    finally:
+                        active.clear()
+                        for name, module in modules.items():
+                            module.weight.data = originals[name]
                     totals[label] += (base.exp() * (base - q)).sum().item()
                 del base
     finally:
+        for hook in hooks:
+            hook.remove()
         for name, module in modules.items():
             module.weight.data = originals[name]
     return {label: total / max(positions, 1) for label, total in totals.items()}
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` (CUDA: the driver's free memory; else the host's), None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        return available_memory()
+    return None
 
 
 def _kl_sensitivities(model, names, batches, widths, group_size) -> dict[str, dict]:
