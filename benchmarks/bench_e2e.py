@@ -193,7 +193,15 @@ MODELS = {
 }
 
 
-def build(config, cls_name: str, recipe: str | None):
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build(config, cls_name: str, recipe: str | None, device: str = DEV):
+    """The model of `config` in bf16 on `device`, random weights (normal, std 0.02; norms and the gated-delta-net
+    decay parameters set as trained models have them), with the TurboQuant layers of `recipe` quantized from
+    random weights of the same law (`None`: bf16 throughout)."""
     cls = getattr(transformers, cls_name, None)
     if cls is None:
         from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM as cls  # noqa: N813
@@ -201,8 +209,8 @@ def build(config, cls_name: str, recipe: str | None):
         model = cls._from_config(config, dtype=torch.bfloat16)
     if recipe:
         apply_plan(model, get_recipe(recipe))
-    model.to_empty(device=DEV)
-    gen = torch.Generator(device=DEV).manual_seed(0)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -219,13 +227,14 @@ def build(config, cls_name: str, recipe: str | None):
             if isinstance(getattr(m, "inv_freq", None), torch.Tensor) and hasattr(m, "config"):
                 with torch.device("cpu"):
                     fresh = type(m)(m.config)
-                model.set_submodule(name, fresh.to(DEV))
+                model.set_submodule(name, fresh.to(device))
         for name, m in model.named_modules():
             if isinstance(m, TurboQuantWeight):
-                src = torch.empty(m.source_shape, dtype=torch.bfloat16, device=DEV).normal_(0, 0.02, generator=gen)
+                src = torch.empty(m.source_shape, dtype=torch.bfloat16, device=device)
+                src.normal_(0, 0.02, generator=gen)
                 m.load_packed_(*codec.quantize_weight(src, m.bits, m.group_size, name=name))
                 del src
-    torch.cuda.synchronize()
+    _sync()
     return model.eval()
 
 
@@ -235,13 +244,13 @@ def _eager_tps(model, ids, steps: int) -> float:
     out = model(input_ids=ids, use_cache=True)
     past = out.past_key_values
     tok = out.logits[:, -1:].argmax(-1)
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     for _ in range(steps):
         out = model(input_ids=tok, past_key_values=past, use_cache=True)
         past = out.past_key_values
         tok = out.logits[:, -1:].argmax(-1)
-    torch.cuda.synchronize()
+    _sync()
     return ids.shape[0] * steps / (time.perf_counter() - t)
 
 

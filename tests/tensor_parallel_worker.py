@@ -56,7 +56,7 @@ def main(out: str, cases: list[str]) -> None:
                     record["generated_static"] = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False,
                                                                 cache_implementation="static")
             record["packed_bytes"] = turboquant_hf.tensor_parallel.resident_packed_bytes(model)
-            record["state_bytes"] = state_bytes(model)
+            record["state_bytes"] = tp.local_state_bytes(model)
             record["read_as_slices"] = (sum(arrived), len(arrived))
             record["experts"] = [m.__dict__["tp_experts"] for m in model.modules() if "tp_experts" in m.__dict__]
             record["expert_bytes"] = expert_bytes(model)
@@ -85,15 +85,6 @@ def expert_bytes(model) -> int:
     from turboquant_hf.tensor_parallel import resident_packed_bytes
 
     return sum(resident_packed_bytes(m) for m in model.modules() if isinstance(m, TurboQuantExperts))
-
-
-def state_bytes(model) -> int:
-    """Bytes of this rank's part of every tensor of the state dict (its local shard of a DTensor)."""
-    total = 0
-    for t in model.state_dict().values():
-        t = getattr(t, "_local_tensor", t)
-        total += t.numel() * t.element_size()
-    return total
 
 
 if __name__ == "__main__":

@@ -318,3 +318,35 @@ def test_slices_read_from_the_file_equal_slices_of_the_whole(tmp_path):
     want_norms = torch.cat([norms.view(blocks, rows, 3)[1:3, a:b, 1:3] for a, b in ((1, 3), (5, 7))], 1)
     assert torch.equal(got_packed, want_packed.reshape(-1, bpg))
     assert torch.equal(got_norms, want_norms.reshape(-1, 2))
+
+
+def test_tensor_parallel_benchmark_driver_runs_end_to_end(tmp_path):
+    """benchmarks/bench_tp.py, the driver of the multi-GPU table, on CPU: `prepare` saves a bf16 checkpoint and its
+    TurboQuant checkpoint (through from_pretrained and save_pretrained), `run` under torchrun loads both on two
+    ranks with tp_plan="auto", checks that the ranks decode the same tokens and reports each row; the TurboQuant
+    rank holds fewer bytes than the bf16 rank, and each rank about half of what the one process holds (exactly half
+    where transformers also splits the embeddings, 5.18 and later)."""
+    import json
+
+    script = os.path.join(HERE, "..", "benchmarks", "bench_tp.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, script, "prepare", str(tmp_path), "--tiny"], check=True, env=env,
+                   capture_output=True, timeout=300)
+    rows = {}
+    for world in (1, 2):
+        out = tmp_path / f"tp{world}.json"
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr",
+                  "127.0.0.1", "--master-port", str(_free_port())] if world > 1 else [sys.executable]
+        done = subprocess.run([*launch, script, "run", str(tmp_path), "--steps", "3", "--batch", "1", "2",
+                               "--json", str(out), "--md", str(tmp_path / f"tp{world}.md")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows[world] = {(r["weights"], r["batch"]): r for r in json.loads(out.read_text())}
+        assert set(rows[world]) == {(w, b) for w in ("bf16", "tq3") for b in (1, 2)}
+        assert all(r["tp"] == world and r["mode"] == "eager" and r["tokens_per_s"] > 0 for r in rows[world].values())
+        assert "| tiny Llama | tq3 | " + str(world) in (tmp_path / f"tp{world}.md").read_text()
+    for world in (1, 2):
+        assert rows[world]["tq3", 1]["GB_per_rank"] < 0.5 * rows[world]["bf16", 1]["GB_per_rank"]
+    for weights in ("bf16", "tq3"):
+        assert rows[1][weights, 1]["GB_per_rank"] / 2 <= rows[2][weights, 1]["GB_per_rank"]
+        assert rows[2][weights, 1]["GB_per_rank"] < 0.7 * rows[1][weights, 1]["GB_per_rank"]

@@ -465,6 +465,16 @@ def resident_packed_bytes(model: nn.Module) -> int:
                for m in model.modules() if isinstance(m, TurboQuantWeight))
 
 
+def local_state_bytes(model: nn.Module) -> int:
+    """Bytes of this process's part of every tensor of the model's state dict: the local shard of a DTensor, the
+    whole of any other tensor (what `turboquant-hf plan --gpus N` predicts per GPU)."""
+    total = 0
+    for t in model.state_dict().values():
+        t = getattr(t, "_local_tensor", t)
+        total += t.numel() * t.element_size()
+    return total
+
+
 def refuse_saving_slices(model: nn.Module) -> None:
     """A model holding one rank's slices would save a partial checkpoint: its `save_pretrained` and `push_to_hub`
     raise instead."""
