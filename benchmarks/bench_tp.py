@@ -177,7 +177,13 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank has its rows and files written
         torch.distributed.destroy_process_group()
+        # the interpreter's own teardown of the backend's threads can abort a rank that has finished (SIGABRT,
+        # "terminate called without an active exception"): a finished rank leaves without it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
