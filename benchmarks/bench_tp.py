@@ -44,10 +44,11 @@ def tiny_config():
 def prepare(out: str, models: list[str], recipes: list[str], tiny: bool) -> list[dict]:
     """Save each model in bf16 and under each recipe below `out`; the list of checkpoints goes to its manifest."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    specs = ({"tiny": ("tiny Llama", tiny_config, "LlamaForCausalLM")} if tiny
+             else {key: bench_e2e.MODELS[key] for key in models})
+    group = 64 if tiny else 128
     entries = []
-    for key in ["tiny"] if tiny else models:
-        tiny_model = ("tiny Llama", tiny_config, "LlamaForCausalLM")
-        label, make_config, cls_name = tiny_model if tiny else bench_e2e.MODELS[key]
+    for key, (label, make_config, cls_name) in specs.items():
         source = os.path.join(out, f"{key}-bf16")
         model = bench_e2e.build(make_config(), cls_name, None, device=device)
         model.save_pretrained(source)
@@ -55,7 +56,6 @@ def prepare(out: str, models: list[str], recipes: list[str], tiny: bool) -> list
         entries.append(dict(model=label, weights="bf16", path=os.path.basename(source)))
         for recipe in recipes:
             path = os.path.join(out, f"{key}-{recipe}")
-            group = 64 if tiny else 128
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 source, quantization_config=get_recipe(recipe, group_size=group), dtype=torch.bfloat16,
                 device_map=device)
@@ -110,9 +110,11 @@ def measure(directory: str, entry: dict, batches: list[int], steps: int, prompt:
             row = dict(entry, tp=world, batch=batch, mode=mode)
             try:
                 with torch.no_grad():
-                    row["tokens_per_s"] = min(_gather(timed()))
+                    tps = timed()
             except Exception as exc:  # noqa: BLE001 - record why; the other rows still run
-                row.update(tokens_per_s=float("nan"), error=repr(exc)[:300])
+                tps, row["error"] = float("nan"), repr(exc)[:300]
+            every = _gather(tps)  # every rank gathers, failed or not, so that none waits alone
+            row["tokens_per_s"] = min(every) if all(t == t for t in every) else float("nan")
             rows.append(row)
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     per_rank = _gather((local, peak))

@@ -265,8 +265,7 @@ def measured_kl(model: nn.Module, config, assignments: dict[str, dict], batches,
     device = _device(model)
     modules = {name: model.get_submodule(name) for name in linears}
     originals = {name: module.weight.data for name, module in modules.items()}
-    widths = sorted({(name, a.get(name, config.bits_for(name))) for a in assignments.values() for name in modules},
-                    key=lambda nb: (nb[0], float(nb[1])))
+    widths = dict.fromkeys((name, a.get(name, config.bits_for(name))) for a in assignments.values() for name in modules)
     if resident is None:
         needed = sum(originals[name].numel() * originals[name].element_size() for name, _ in widths)
         free = _free_bytes(device)
