@@ -76,8 +76,7 @@ DEV = "cuda"
 
 
 def n_buffers(nbytes: int, m: int) -> int:
-    if m > 16:
-        return 2
+    """Weight copies used in turn: enough to overflow the L2 four times, at every M (at least 2, at most 64)."""
     return int(min(64, max(2, math.ceil(4 * L2_BYTES / max(nbytes, 1)))))
 
 
@@ -331,8 +330,11 @@ def bench_case(case: Case, m: int, tol: float = 1e-2, peer: bool = True) -> dict
     t_bf16, g_b = time_calls([base(i, w) for i, w in enumerate(bbufs)], graph)
     del g_b
     e_b = rel_err(bout[0], ref)
-    eager = {}
-    if not graph:
+    if graph:  # the same calls eager as well (a non-compiled `generate` runs them so)
+        t_ours_e, _ = time_calls([ours(i, p, nr) for i, (p, nr) in enumerate(qbufs)], False)
+        t_bf16_e, _ = time_calls([base(i, w) for i, w in enumerate(bbufs)], False)
+        eager = dict(us_ours_eager=t_ours_e, us_bf16_eager=t_bf16_e, ratio_eager=t_bf16_e / t_ours_e)
+    else:
         # M > 16: the eager times above include each call's host work whenever it outlasts the GPU's (a prefill
         # inside a model queues its kernels ahead of the GPU); the same calls as CUDA-graph replays give the
         # device's throughput, which the ratio column reports for every M
@@ -685,7 +687,7 @@ def main() -> int:
                     help="time pair GEMV configurations on the whole op (M = 1, 3- and 4-bit unless --bits)")
     ap.add_argument("--fused", action="store_true", help="with --sweep-pairs / --sweep-whole: the fused projections' shapes too")
     ap.add_argument("--bits", help="with --sweep-pairs / --sweep-whole: the bit widths (default 3,2,4,1.58 / 3,4)")
-    ap.add_argument("--ms", help="comma-separated M (default 1,16,64,256,2048; with --sweep 1,16 (and 2048 for 2048 inputs); "
+    ap.add_argument("--ms", help="comma-separated M (default 1,16,32,64,128,256,512,2048; with --sweep 1,16 (and 2048 for 2048 inputs); "
                                  "with --ab-x-order / --ab-wide 8,16,32,64)")
     ap.add_argument("--no-peer", action="store_true", help=f"do not time {PEER_DIST} (its columns read n/a)")
     ap.add_argument("--ab-x-order", action="store_true",
@@ -751,7 +753,7 @@ def main() -> int:
             del case
             torch.cuda.empty_cache()
     else:
-        ms = [int(v) for v in (args.ms or "1,16,64,256,2048").split(",")]
+        ms = [int(v) for v in (args.ms or "1,16,32,64,128,256,512,2048").split(",")]
         for label, k, n in shapes:
             case = Case(k, n, 3)
             for m in ms:
@@ -764,7 +766,7 @@ def main() -> int:
         for label, k, n in [s for s in shapes if (s[1], s[2]) in ((4096, 14336), (8192, 28672))] or shapes[:1]:
             for bits in (fmt.TERNARY, 2, 4):
                 case = Case(k, n, bits)
-                for m in [v for v in ms if v <= max(16, T.MID_MAX_M)]:  # (the GEMV tiers)
+                for m in ms:
                     r = bench_case(case, m, peer=run_peer)
                     rows.append(r)
                     print(json.dumps(r), flush=True)

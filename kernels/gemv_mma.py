@@ -108,6 +108,21 @@ def _mma_scale(p, nsc, F16: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _norm_pattern(nr, F16: tl.constexpr, USE_ASM: tl.constexpr):
+    """float32 norms -> what `_mma_scale` multiplies by: the 16-bit pattern twice on the GPU, float32 otherwise."""
+    if USE_ASM:
+        if F16:
+            out = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [nr], dtype=tl.uint32,
+                                            is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [nr], dtype=tl.uint32,
+                                            is_pure=True, pack=1)
+    else:
+        out = nr
+    return out
+
+
+@triton.jit
 def _mma_values(p, F16: tl.constexpr, USE_ASM: tl.constexpr):
     """uint32 pairs `[...]` -> their values `[..., 2]` (the low half first): on the GPU the 16-bit type of the
     activations, the register taken as it is (a `mov` that ptxas drops); float32 in the interpreter.
@@ -199,8 +214,11 @@ def _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.co
 
 
 @triton.jit
-def _mma_words(pk_ptr, row, un, NUT: tl.constexpr, WPU: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
-    """The uint32 words of units `un` (numbered along the row) of rows `row`, read once (evict first)."""
+def _mma_words(pk_ptr, row, un, NUT: tl.constexpr, WPU: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
+               EVICT: tl.constexpr = True):
+    """The uint32 words of units `un` (numbered along the row) of rows `row`, read once (EVICT: evict first; the
+    GEMM, whose programs share weight tiles in L2, keeps the default policy)."""
+    POLICY: tl.constexpr = "evict_first" if EVICT else ""
     if WPU == 3 and RUNTIME_LAYOUT:  # three planes per row: word p of unit u at p * NUT + u
         base = pk_ptr + row * (3 * NUT) + un
         step = NUT
@@ -210,10 +228,10 @@ def _mma_words(pk_ptr, row, un, NUT: tl.constexpr, WPU: tl.constexpr, RUNTIME_LA
     else:
         base = pk_ptr + row * NUT + un
         step = 0
-    w0 = tl.load(base, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+    w0 = tl.load(base, eviction_policy=POLICY).to(tl.uint32, bitcast=True)
     if WPU == 3:
-        w1 = tl.load(base + step, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-        w2 = tl.load(base + 2 * step, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        w1 = tl.load(base + step, eviction_policy=POLICY).to(tl.uint32, bitcast=True)
+        w2 = tl.load(base + 2 * step, eviction_policy=POLICY).to(tl.uint32, bitcast=True)
     else:
         w1 = w0
         w2 = w0
@@ -461,14 +479,7 @@ def _gemv_mma_kernel(xr_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, M, N, stride_xm, 
                 nf = tl.load(nrm_ptr + row * NG + tl.minimum(uf, NUT - 1) // UPG, mask=uf < NUT, other=0.0)
             else:
                 nf = tl.load(nrm_ptr + row * NG + uf // UPG)
-            nsc = nf.to(tl.float32)
-            if USE_ASM:
-                if F16:
-                    nsc = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [nsc], dtype=tl.uint32,
-                                                    is_pure=True, pack=1)
-                else:
-                    nsc = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [nsc], dtype=tl.uint32,
-                                                    is_pure=True, pack=1)
+            nsc = _norm_pattern(nf.to(tl.float32), F16, USE_ASM)
         v = _mma_unit_pairs(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, FOLD, USE_ASM)
         # axes h a s l t r q0 q1 .. -> s a h l r .. q1 q0 t: rows 16 a + 8 h + l, k = e + 2t + 8 (q + r PER/2)
         # (LANES_FIRST: from t l s h a r q0 q1 ..); one literal order per unit size: the order is a compile-time tuple

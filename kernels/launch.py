@@ -35,6 +35,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton."""
+    import triton
+
+    parts = []
+    for piece in triton.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
 def next_power_of_2(n: int) -> int:
     """`triton.next_power_of_2` for host code (0 for n <= 0, as Triton's)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0

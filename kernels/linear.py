@@ -22,11 +22,11 @@ import math
 import torch
 import triton
 
-from . import tuning
+from . import gemm, tuning
 from .gemv_fma import _gemv_fma_kernel
 from .gemv_mma import _gemv_dot_kernel, _gemv_mma_kernel
 from .gemv_pairs import _gemv_pair_kernel, _pack_pairs_kernel
-from .launch import cdiv, launch, next_power_of_2
+from .launch import cdiv, launch, next_power_of_2, triton_version
 from .prefill import _dequant_kernel, _dequant_lut_kernel
 from .ptx import _HAS_GDC
 from .rotation import _rotate_kernel, _rotate_rows_kernel
@@ -77,14 +77,17 @@ def _rows_config(m: int, g: int) -> tuple[int, int]:
 
 
 def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
-           out_dtype: torch.dtype, unit: int = 0, mma_levels: int = 0, mma_block: int = 0):
+           out_dtype: torch.dtype, unit: int = 0, mma_levels: int = 0, mma_block: int = 0, lane_unit: int = 0,
+           lane_block: int = 128):
     """`(M, in)` activations -> `(M, n_groups*G)` rotated, zero-padded, in `out_dtype`.
 
     With `unit` > 0 (`lut_unit(levels)`): the pair GEMV's activations `(x2, scales)` for weights of that
     unit instead (see `gemv_pairs`; `out_dtype` is ignored). With `mma_levels` (a codebook size for which
     `mma_order` holds): the columns in the tensor-core GEMV's order (`_mma_column`; `gemv_dot(...,
     x_order=True)` reads them), for its blocks of `mma_block` inputs (0: the default block; or the wide block,
-    `wide_block`, for a row of whole pairs of groups).
+    `wide_block`, for a row of whole pairs of groups). With `lane_unit` (indices a unit: 32 at 3 bits, 16 at 2,
+    8 at 4): the columns in the packed-weight GEMM's lane order for blocks of `lane_block` inputs
+    (`rotation._lane_column`; `gemm.gemm(..., lanes=True)` reads them).
 
     Up to ROWS_MAX_M rows the Walsh-Hadamard product runs as float32 butterflies in registers
     (`_rotate_rows_kernel`), above as a product with the +-1 matrix on the tensor cores (`_rotate_kernel`); the
@@ -98,8 +101,13 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     if mma_block and not mma_levels:
         raise ValueError("rotate: `mma_block` without `mma_levels`")
     mkb = _check_block(mma_levels, g, ng, mma_block, True) if mma_levels else 0
-    if mkb and pairs:
-        raise ValueError("rotate: `unit` (the pair layout) and `mma_levels` (the tensor-core order) exclude each other")
+    if (mkb and pairs) or (lane_unit and (pairs or mkb)):
+        raise ValueError("rotate: `unit` (the pair layout), `mma_levels` (the tensor-core order) and `lane_unit` "
+                         "(the GEMM's lane order) exclude each other")
+    if lane_unit and (g % lane_block or lane_block % (4 * lane_unit)):
+        raise ValueError(f"rotate: blocks of {lane_block} inputs in lane order need groups that are a multiple of "
+                         f"them (G = {g}) and four lanes of whole units of {lane_unit}")
+    lkb, lper = (lane_block, lane_unit) if lane_unit else (0, 0)
     out = torch.empty(m, ng * g, dtype=torch.float16 if pairs else out_dtype, device=x2.device)
     xs = torch.empty(m, ng, dtype=torch.float32, device=x2.device) if pairs else out
     if m == 0:
@@ -110,7 +118,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
         launch(_rotate_rows_kernel, (m, cdiv(ng, bg)), x2, signs1, signs2, out, xs, k, ng, x2.stride(0),
                out.stride(0), xs.stride(0), 1.0 / math.sqrt(g), G=g, LG=g.bit_length() - 1, BG=bg, PER_T=unit,
                NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
-               num_warps=warps)
+               LANE_KB=lkb, LANE_PER=lper, num_warps=warps)
         return (out.view(torch.int32), xs) if pairs else out
     bm = 64 if m > 16 and x2.dtype != torch.float32 else 16
     exact16 = x2.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
@@ -120,7 +128,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     launch(_rotate_kernel, grid, x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
            1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
            NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
-           num_warps=4)
+           LANE_KB=lkb, LANE_PER=lper, num_warps=4)
     return (out.view(torch.int32), xs) if pairs else out
 
 
@@ -322,11 +330,7 @@ _LANES_FIRST: bool | None = None
 def _lanes_first() -> bool:
     global _LANES_FIRST
     if _LANES_FIRST is None:
-        parts = []
-        for piece in triton.__version__.split(".")[:2]:
-            digits = "".join(ch for ch in piece if ch.isdigit())
-            parts.append(int(digits or 0))
-        _LANES_FIRST = tuple(parts) < (3, 7)
+        _LANES_FIRST = triton_version() < (3, 7)
     return _LANES_FIRST
 
 
@@ -653,15 +657,20 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def path(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> str:
+def path(m: int, n_levels: int, group_size: int, dtype: torch.dtype, packed: torch.Tensor | None = None) -> str:
     """The product for M activation rows in `dtype` (the one dispatch table of `product` and `linear`): "pairs"
     (`gemv_pairs`, M <= PAIR_MAX_M, 16-bit, a lookup unit), "fma" (`gemv_fma`, M <= FMA_MAX_M, or float32 up to
-    DOT_MAX_M), "dot" (`gemv_dot`, M <= DOT_MAX_M or `mid_m`), else "prefill" (dequantize, then cuBLAS)."""
+    DOT_MAX_M), "gemm" (`gemm.gemm`, M >= GEMM_MIN_M, 16-bit, weights it serves: `packed` in the runtime layout,
+    or 2- and 3-bit published bytes), "dot" (`gemv_dot`, M <= DOT_MAX_M or `mid_m`), else "prefill"
+    (dequantize, then cuBLAS)."""
     sixteen = dtype in (torch.bfloat16, torch.float16)
     if m <= tuning.PAIR_MAX_M and sixteen and lut_unit(n_levels, group_size):
         return "pairs"
     if m <= tuning.FMA_MAX_M or (m <= tuning.DOT_MAX_M and not sixteen):
         return "fma"
+    if (sixteen and m >= tuning.GEMM_MIN_M and gemm.serves(n_levels, group_size)
+            and (packed is None or packed.dtype == torch.int32 or n_levels != 16)):
+        return "gemm"
     if m <= tuning.DOT_MAX_M or mid_m(m, n_levels, group_size, dtype):
         return "dot"
     return "prefill"
@@ -677,12 +686,18 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
     m = x_rot.shape[0]
     sixteen = out_dtype in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    route = path(m, codebook.numel(), group_size, out_dtype)
+    route = path(m, codebook.numel(), group_size, out_dtype, packed)
     if route == "pairs":
         x2, xs = pack_pairs(x_rot, unit, group_size)
         return gemv_pairs(x2, xs, packed, norms, codebook, group_size, out_dtype)
     norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
+    if route == "gemm":  # (activations rotated elsewhere, in the natural order)
+        cfg = gemm.gemm_config(m, norms.shape[0], norms.shape[1], codebook.numel(), group_size, lanes=False)
+        interp = _interpreting()  # (the interpreter runs the GEMM in float32)
+        return gemm.gemm(x_rot.to(torch.float32 if interp else out_dtype), packed, norms, codebook, group_size,
+                         out_dtype, config=cfg, runtime_layout=packed.dtype == torch.int32, use_asm=not interp,
+                         lanes_first=_lanes_first())
     if route == "fma":
         return gemv_fma(_f32(x_rot), packed, norms, codebook, group_size, out_dtype)
     if route == "dot":
@@ -710,12 +725,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     dt = x.dtype
     sixteen = dt in (torch.bfloat16, torch.float16)
     unit = lut_unit(codebook.numel(), group_size)
-    route = path(m, codebook.numel(), group_size, dt)
+    route = path(m, codebook.numel(), group_size, dt, packed)
     if route == "pairs":
         xp, xs = rotate(x2, s1, s2, group_size, dt, unit=unit)
         return gemv_pairs(xp, xs, packed, norms, codebook, group_size, dt).reshape(*lead, n)
     norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
+    if route == "gemm":
+        nl = codebook.numel()
+        cfg = gemm.gemm_config(m, n, ng, nl, group_size)
+        interp = _interpreting()  # (the interpreter runs the GEMM in float32)
+        x_rot = rotate(x2, s1, s2, group_size, torch.float32 if interp else dt,
+                       lane_unit=gemm.lane_unit(nl) if cfg[5] else 0, lane_block=cfg[2])
+        y = gemm.gemm(x_rot, packed, norms, codebook, group_size, dt, config=cfg,
+                      runtime_layout=packed.dtype == torch.int32, use_asm=not interp, lanes_first=_lanes_first())
+        return y.reshape(*lead, n)
     if route == "fma":
         x_rot = rotate(x2, s1, s2, group_size, torch.float32)
         y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)

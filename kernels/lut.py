@@ -99,8 +99,8 @@ def _lookup_bytes(d, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, HALF: t
             m = _prmt_c(d << 4, d, 0xFBEA)
         else:
             m = _prmt_c(d << 4, d, 0xD9C8)
-        lo = (_prmt(t0, t1, s) & ~m) | (_prmt(t4, t5, s) & m)
-        hi = (_prmt(t2, t3, s) & ~m) | (_prmt(t6, t7, s) & m)
+        lo = _prmt(t0, t1, s) ^ ((_prmt(t0, t1, s) ^ _prmt(t4, t5, s)) & m)  # (a select by mask, no `~`: the
+        hi = _prmt(t2, t3, s) ^ ((_prmt(t2, t3, s) ^ _prmt(t6, t7, s)) & m)  # interpreter's uint32 -1 overflows)
     else:
         lo = _prmt(t0, t1, s)
         hi = _prmt(t2, t3, s)

@@ -43,7 +43,7 @@ def _pair_column(col, PER_T: tl.constexpr, NUT: tl.constexpr):
 def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, xs_ptr, M, K, stride_xm, stride_om, stride_sm, scale,
                    G: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, EXACT16: tl.constexpr,
                    PER_T: tl.constexpr, NUT: tl.constexpr, PDL: tl.constexpr, MMA_KB: tl.constexpr = 0,
-                   MMA_PER: tl.constexpr = 0):
+                   MMA_PER: tl.constexpr = 0, LANE_KB: tl.constexpr = 0, LANE_PER: tl.constexpr = 0):
     if PDL:  # the GEMV that reads this output may start its prologue now (it waits for this grid's end)
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -82,6 +82,10 @@ def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, xs_ptr, M, K, stride_x
         dst = _mma_column(pid_g * G + pid_c * BC + 8 * tl.arange(0, BC // 8), MMA_KB, MMA_PER)
         optr = out_ptr + rm[:, None, None] * stride_om + dst[None, :, None] + tl.arange(0, 8)[None, None, :]
         tl.store(optr, tl.reshape(y, [BM, BC // 8, 8]).to(out_ptr.dtype.element_ty), mask=mmask[:, None, None])
+    elif LANE_KB > 0:  # pairs of columns move together
+        dst = _lane_column(pid_g * G + pid_c * BC + 2 * tl.arange(0, BC // 2), LANE_KB, LANE_PER)
+        optr = out_ptr + rm[:, None, None] * stride_om + dst[None, :, None] + tl.arange(0, 2)[None, None, :]
+        tl.store(optr, tl.reshape(y, [BM, BC // 2, 2]).to(out_ptr.dtype.element_ty), mask=mmask[:, None, None])
     else:
         optr = out_ptr + rm[:, None] * stride_om + col[None, :]
         tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
@@ -101,7 +105,8 @@ def _hadamard_rows(x, BG: tl.constexpr, G: tl.constexpr, LG: tl.constexpr):
 @triton.jit
 def _rotate_rows_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, xs_ptr, K, NG, stride_xm, stride_om, stride_sm, scale,
                         G: tl.constexpr, LG: tl.constexpr, BG: tl.constexpr, PER_T: tl.constexpr,
-                        NUT: tl.constexpr, PDL: tl.constexpr, MMA_KB: tl.constexpr = 0, MMA_PER: tl.constexpr = 0):
+                        NUT: tl.constexpr, PDL: tl.constexpr, MMA_KB: tl.constexpr = 0, MMA_PER: tl.constexpr = 0,
+                        LANE_KB: tl.constexpr = 0, LANE_PER: tl.constexpr = 0):
     """`_rotate_kernel` for few activation rows: one program per row and BG groups, the Walsh-Hadamard product as
     float32 butterflies in registers (`_hadamard_rows`) instead of a 16-row tensor-core product with a (G, G)
     matrix read from memory; the same outputs (pair layout, tensor-core order or natural order), equal to its
@@ -128,6 +133,11 @@ def _rotate_rows_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, xs_ptr, K, NG, stride_xm
         run = gg[:, None] * G + 8 * tl.arange(0, G // 8)[None, :]
         optr = out_ptr + m * stride_om + _mma_column(run, MMA_KB, MMA_PER)[:, :, None] + tl.arange(0, 8)[None, None, :]
         tl.store(optr, tl.reshape(y, [BG, G // 8, 8]).to(out_ptr.dtype.element_ty), mask=live[:, None, None])
+    elif LANE_KB > 0:  # pairs of columns move together
+        run = gg[:, None] * G + 2 * tl.arange(0, G // 2)[None, :]
+        dst = _lane_column(run, LANE_KB, LANE_PER)
+        optr = out_ptr + m * stride_om + dst[:, :, None] + tl.arange(0, 2)[None, None, :]
+        tl.store(optr, tl.reshape(y, [BG, G // 2, 2]).to(out_ptr.dtype.element_ty), mask=live[:, None, None])
     else:
         tl.store(out_ptr + m * stride_om + col, y.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -148,3 +158,19 @@ def _mma_column(col, KB: tl.constexpr, PER: tl.constexpr):
     q = ub // R
     t = (q & 1) * 2 + (q >> 1)
     return (col // KB) * KB + (((ub % R) * V + (kin % PER) // 8) * 4 + t) * 8
+
+
+@triton.jit
+def _lane_column(col, KB: tl.constexpr, PER: tl.constexpr):
+    """Where the pair of columns starting at `col` (even) of a rotated row goes in the packed-weight GEMM's lane
+    order (`rotate(..., lane_unit=...)`, read by `gemm.gemm(..., lanes=True)`): within each block of KB columns,
+    element j of unit ub (PER elements a unit, R = KB // (4 PER) units a lane, the lane t = ub // R with lanes 1
+    and 2 swapped, r = ub % R) moves to 8 (r PER / 2 + j // 2) + 2 t + j % 2: the input order of wgmma's register
+    operand when each lane decodes whole units."""
+    R: tl.constexpr = KB // (4 * PER)
+    kin = col % KB
+    ub = kin // PER
+    q = ub // R
+    t = (q & 1) * 2 + (q >> 1)
+    j = kin % PER
+    return (col // KB) * KB + 8 * ((ub % R) * (PER // 2) + j // 2) + 2 * t + j % 2

@@ -70,3 +70,20 @@ PREFILL_ROTATED_BASIS = True
 # synchronisation) for up to this many (token, slot) pairs; above it, decoded into the scratch buffer for
 # `torch._grouped_mm` (`_grouped_decoded`). 0: never fused.
 FUSED_MAX_PAIRS = 1 << 62
+
+
+# Packed-weight GEMM (`gemm.gemm`): the smallest M it serves (16-bit activations; the GEMVs below it). Off unless
+# `TURBOQUANT_GEMM_MIN_M` says otherwise: its table below has not been timed on a GPU (benchmarks/GEMM.md).
+GEMM_MIN_M = settings.gemm_min_m()
+# (largest M, (BM, BN, SWAP, LANES, GROUP, num_warps, num_stages)) by bucket of M, the last bucket for any larger M.
+GEMM_CONFIGS = (
+    (32, (32, 64, True, True, 1, 4, 3)),
+    (64, (64, 64, True, True, 1, 4, 3)),
+    (128, (128, 128, True, True, 4, 8, 3)),
+    (1 << 62, (128, 128, True, True, 8, 8, 3)),
+)
+# Largest split-K, the multiprocessors whose count the split aims to fill twice, and the per-tile counters kept
+# (tiles past it run without split-K).
+GEMM_MAX_SPLIT = 8
+GEMM_SMS = 132
+GEMM_COUNTERS = 1 << 16

@@ -228,27 +228,34 @@ def test_kernels_match_reference(L, bits, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_op_paths(L, bits, dtype, monkeypatch):
     """The whole op (`linear`) on every path: M=1 and 2 (the pair GEMV, 1 and 2 rows a program, for 16-bit 2-, 3-
-    and 4-bit, else FMA), M=3, 4 and 5 (tensor cores for 16-bit, FMA for fp32), M=17 and 40 (16-bit 2-, 3- and
-    4-bit: the tensor-core GEMV with 16 and 32 activation rows a program; else dequantize + matmul), M=65
-    (dequantize + matmul), with 3-D activations; the weight is dequantized exactly where the dispatch says."""
+    and 4-bit, else FMA), M=3, 4 and 5 (tensor cores for 16-bit, FMA for fp32), M=17, 40 and 65 (16-bit 2- and
+    3-bit: the packed-weight GEMM; 16-bit 4-bit published bytes: the tensor-core GEMV with 16 and 32 activation
+    rows a program up to 64, else dequantize + matmul), with 3-D activations; the weight is dequantized exactly
+    where the dispatch says, and the GEMM runs exactly where it says."""
     g, n, k = 64, 24, 200
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=3)
     gen = torch.Generator().manual_seed(11)
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
-    dequantized = []
+    monkeypatch.setattr(T, "GEMM_MIN_M", 17)
+    dequantized, gemms = [], []
     for name in ("dequantize_lut", "dequantize_rotated"):
         monkeypatch.setattr(L, name, lambda *a, _f=getattr(L, name), **kw: dequantized.append(1) or _f(*a, **kw))
+    monkeypatch.setattr(L.gemm, "gemm", lambda *a, _f=L.gemm.gemm, **kw: gemms.append(1) or _f(*a, **kw))
     mid = dtype == torch.bfloat16 and bits != fmt.TERNARY  # (the published ternary bytes have no lookup unit)
     for lead in ((1,), (2,), (3,), (2, 2), (5,), (1, 17), (40,), (5, 13)):
         m = math.prod(lead)
         assert L.mid_m(m, cb.numel(), g, dtype) == (mid and 16 < m <= 64)
+        route = L.path(m, cb.numel(), g, dtype, packed)
+        assert (route == "gemm") == (dtype == torch.bfloat16 and m > 16 and bits in (2, 3)), (lead, route)
         dequantized.clear()
+        gemms.clear()
         x = torch.randn(*lead, k, generator=gen).to(dtype)
         ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
         y = L.linear(x, packed, norms, cb, s1, s2, g, k)
         assert y.dtype == dtype and y.shape == (*lead, n)
         assert _rel(y, ref) < tol, (lead, _rel(y, ref))
-        assert bool(dequantized) == (m > 16 and not L.mid_m(m, cb.numel(), g, dtype)), (lead, dequantized)
+        assert bool(dequantized) == (route == "prefill"), (lead, dequantized)
+        assert bool(gemms) == (route == "gemm"), (lead, gemms)
 
 
 def _pairs_by_hand(x_rot: torch.Tensor, unit: int, g: int):
@@ -645,14 +652,16 @@ def test_mma_gemv_small_groups(L):
 
 
 @pytest.mark.parametrize("bits,g", [(2, 64), (3, 64), (3, 128), (4, 128)])
-def test_runtime_layout_kernels(L, bits, g):
+def test_runtime_layout_kernels(L, bits, g, monkeypatch):
     """Every kernel reads the runtime layout (int32, `turboquant_hf.layout`, with `layout.runtime_codebook`)
     and gives exactly what it gives for the published bytes: the pair GEMV (M = 1 and 3), the select GEMV,
-    the tensor-core GEMV, the dequantization, the whole op at M = 1, 5, 17, and the routed-expert mode (4-bit:
+    the tensor-core GEMV, the dequantization, the whole op at M = 1, 5, 17 (bit for bit where both take the same
+    path), and the routed-expert mode (4-bit:
     sign-magnitude codes, whose lookups in the pair and tensor-core GEMVs set the sign from the top bit)."""
     n, k = 20, 330
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=40 + bits + g)
     nl, ng = cb.numel(), norms.shape[1]
+    monkeypatch.setattr(T, "GEMM_MIN_M", 17)
     rt, cbr = layout.to_runtime(packed, nl, g, ng), layout.runtime_codebook(cb)
     assert rt.dtype == torch.int32 and not torch.equal(rt.view(torch.uint8).view(packed.shape), packed)
     gen = torch.Generator().manual_seed(2)
@@ -671,7 +680,12 @@ def test_runtime_layout_kernels(L, bits, g):
         x = torch.randn(*lead, k, generator=gen).to(torch.bfloat16)
         ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
         y = L.linear(x, rt, norms, cbr, s1, s2, g, k)
-        assert torch.equal(y, L.linear(x, packed, norms, cb, s1, s2, g, k)), lead
+        y_pub = L.linear(x, packed, norms, cb, s1, s2, g, k)
+        m = lead[0]
+        if L.path(m, nl, g, x.dtype, rt) == L.path(m, nl, g, x.dtype, packed):
+            assert torch.equal(y, y_pub), lead
+        else:  # (4-bit M = 17: the GEMM reads the runtime layout only; the published bytes take the GEMV)
+            assert _rel(y_pub, ref) < 1.5e-2, lead
         assert _rel(y, ref) < 1.5e-2, lead
         # the reference accepts the runtime layout too (a module moved between devices keeps working)
         assert torch.equal(ops.turboquant_linear(x.float(), rt, norms, cbr, s1, s2, g, k), ref)
@@ -1004,6 +1018,123 @@ def test_lookup_dequantization(L, bits, g):
         L.dequantize_lut(t_packed, t_norms, t_cb, 64, torch.float32)
 
 
+def test_gemm_min_m_from_environment(monkeypatch):
+    """`TURBOQUANT_GEMM_MIN_M` sets the smallest M of the packed-weight GEMM; unset or 0 leaves it off; anything
+    else is refused with the variable's name."""
+    from turboquant_hf import settings
+
+    monkeypatch.delenv("TURBOQUANT_GEMM_MIN_M", raising=False)
+    assert settings.gemm_min_m() == 1 << 62
+    for raw, want in (("0", 1 << 62), ("17", 17), ("2", 2)):
+        monkeypatch.setenv("TURBOQUANT_GEMM_MIN_M", raw)
+        assert settings.gemm_min_m() == want
+    for bad in ("1", "-3", "many"):
+        monkeypatch.setenv("TURBOQUANT_GEMM_MIN_M", bad)
+        with pytest.raises(ValueError, match="TURBOQUANT_GEMM_MIN_M"):
+            settings.gemm_min_m()
+
+
+def _lane_order_by_hand(x_rot: torch.Tensor, unit: int, block: int) -> torch.Tensor:
+    """The packed-weight GEMM's lane order built with torch: within each block of `block` columns, element j of unit
+    ub (R = block / (4 unit) units a lane; lane t = ub // R with lanes 1 and 2 swapped; r = ub % R) at
+    8 (r unit / 2 + j // 2) + 2 t + j % 2."""
+    m, k = x_rot.shape
+    r_units = block // (4 * unit)
+    out = torch.empty_like(x_rot)
+    for c in range(k):
+        kin, j = c % block, c % unit
+        ub = kin // unit
+        q = ub // r_units
+        t = (q & 1) * 2 + (q >> 1)
+        dst = (c // block) * block + 8 * ((ub % r_units) * (unit // 2) + j // 2) + 2 * t + j % 2
+        out[:, dst] = x_rot[:, c]
+    return out
+
+
+@pytest.mark.parametrize("unit,block,g", [(32, 128, 128), (16, 128, 256), (8, 64, 64), (8, 128, 128)])
+def test_rotate_lane_order(L, unit, block, g):
+    """`rotate(..., lane_unit=...)` writes the rotated activations in the GEMM's lane order (a permutation built
+    here by hand from its definition) with the butterfly kernel (M = 3) and the tensor-core one (M = 21), the
+    values bit for bit those of the natural order; orders that exclude each other, or blocks the group does not
+    hold, are refused."""
+    k = 2 * g + 40  # (zero-padded to whole groups)
+    s1, s2 = fmt.signs(g)
+    gen = torch.Generator().manual_seed(unit + g)
+    for m in (3, 21):
+        x = torch.randn(m, k, generator=gen)
+        nat = L.rotate(x, s1, s2, g, torch.float32)
+        lane = L.rotate(x, s1, s2, g, torch.float32, lane_unit=unit, lane_block=block)
+        assert not torch.equal(lane, nat)
+        assert torch.equal(lane, _lane_order_by_hand(nat, unit, block)), m
+    with pytest.raises(ValueError, match="exclude each other"):
+        L.rotate(x, s1, s2, g, torch.float32, lane_unit=unit, mma_levels=16)
+    with pytest.raises(ValueError, match="lane order"):
+        L.rotate(x, s1, s2, g, torch.float32, lane_unit=unit, lane_block=2 * g)
+
+
+@pytest.mark.parametrize("bits,g", [(3, 128), (3, 64), (3, 256), (2, 128), (2, 64), (4, 128), (4, 64),
+                                    (fmt.TERNARY, 128)])
+def test_gemm_matches_reference(L, bits, g):
+    """The packed-weight GEMM (`gemm.gemm`) against the float32 reference on the rotated activations: the runtime
+    layout (ternary: 2-bit codes) and, for 2 and 3 bits, the published bytes; the weight on the left (with and
+    without the lane order) and on the right; split-K over 2 and 4 ranges (every per-tile counter back at zero
+    afterwards); weight rows not a multiple of BN, activation rows not a multiple of BM, groups of 64 to 256."""
+    gm = L.gemm
+    n, k = 40, max(2 * g, 256)
+    packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=int(10 * float(bits)) + g)
+    nl, ng = cb.numel(), norms.shape[1]
+    if bits == fmt.TERNARY:
+        layouts = [(layout.to_runtime(packed, 3, g, ng), layout.pairs_codebook(cb))]
+    else:
+        layouts = [(layout.to_runtime(packed, nl, g, ng), layout.runtime_codebook(cb))]
+        layouts += [(packed, cb)] if nl != 16 else []
+    knl = layouts[0][1].numel()
+    bk = min(g, 128)
+    nblk = ng * g // bk
+    lanes_ok = bk % (4 * gm.lane_unit(knl)) == 0
+    gen = torch.Generator().manual_seed(g)
+    for pk, kcb in layouts:
+        runtime = layout.is_runtime(pk)
+        configs = [(16, 32, bk, 2 if nblk % 2 == 0 else 1, True, False, 1, 2, 1, 13),
+                   (32, 16, bk, 1, False, False, 2, 1, 1, 40)]
+        if runtime and lanes_ok:
+            configs.append((16, 32, bk, 4 if nblk % 4 == 0 else 1, True, True, 1, 2, 1, 21))
+        for *cfg, m in configs:
+            x = torch.randn(m, k, generator=gen)
+            nat = L.rotate(x, s1, s2, g, torch.float32)
+            ref = ops.codebook_matmul(nat, packed, norms, cb, g)
+            xr = L.rotate(x, s1, s2, g, torch.float32, lane_unit=gm.lane_unit(knl), lane_block=bk) if cfg[5] else nat
+            for lf in (True, False) if cfg[5] else (None,):  # (the lane tile's axis order for either Triton)
+                y = gm.gemm(xr, pk, norms, kcb, g, torch.float32, config=tuple(cfg), runtime_layout=runtime,
+                            use_asm=False, lanes_first=lf)
+                assert y.shape == (m, n) and _rel(y, ref) < 6e-3, (runtime, cfg, lf, _rel(y, ref))
+            if cfg[3] > 1:
+                assert not gm._counters(y.device).any()
+    with pytest.raises(ValueError, match="split"):
+        gm.gemm(nat, layouts[0][0], norms, layouts[0][1], g, torch.float32, config=(16, 32, bk, 3, True, False, 1, 2, 1),
+                use_asm=False)
+
+
+def test_gemm_dispatch_table(L, monkeypatch):
+    """`gemm_config` (the GEMM's one dispatch table, from the weight shape and M's bucket): LANES only where the
+    table, the orientation, the warps and the unit allow it; split-K until the tiles fill the multiprocessors
+    twice, by powers of two that divide the row's blocks, at least 4 blocks each."""
+    gm = L.gemm
+    monkeypatch.setattr(L.tuning, "GEMM_CONFIGS", ((64, (64, 64, True, True, 1, 4, 3)),
+                                                   (1 << 62, (128, 128, False, True, 8, 8, 3))))
+    monkeypatch.setattr(L.tuning, "GEMM_SMS", 132)
+    bm, bn, bk, split, swap, lanes, group, warps, stages = gm.gemm_config(64, 4096, 32, 8, 128)
+    assert (bm, bn, bk, swap, lanes, warps) == (64, 64, 128, True, True, 4) and split == 8  # 64 tiles: 512 programs
+    assert gm.gemm_config(64, 4096, 32, 8, 128, lanes=False)[5] is False
+    assert gm.gemm_config(64, 4096, 1, 8, 64)[5] is False  # 3-bit units: four lanes need blocks of 128
+    assert gm.gemm_config(64, 4096, 2, 4, 64)[5] is True and gm.gemm_config(64, 4096, 2, 4, 64)[3] == 1
+    assert gm.gemm_config(2048, 4096, 32, 8, 128)[3:6] == (1, False, False)  # 512 tiles; the weight on the right
+    assert gm.gemm_config(65, 1024, 112, 8, 128)[3] == 8  # 8 tiles: at most 8 splits (14 blocks each)
+    assert gm.gemm_config(65, 1024, 20, 8, 128)[3] == 4  # 20 blocks: 8 does not divide them
+    monkeypatch.setattr(L.tuning, "GEMM_MAX_SPLIT", 1)
+    assert gm.gemm_config(65, 1024, 112, 8, 128)[3] == 1
+
+
 # ---------------------------------------------------------------------------
 # CUDA (real kernels, fresh process)
 # ---------------------------------------------------------------------------
@@ -1111,6 +1242,63 @@ def _cuda_check(bits) -> int:
                 ok = y.shape == (m, n) and err < 1e-2
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} bits={bits} M={m} config {cfg} rel_err={err:.2e}")
+    # the packed-weight GEMM compiled for the GPU: every orientation, the lane order, split-K (its counters back
+    # at zero, and a CUDA graph replayed with new inputs), bf16 and fp16; the whole op with it in the dispatch
+    if nl in (3, 4, 8, 16):
+        from turboquant_hf.kernels import gemm as KG
+        from turboquant_hf.kernels import linear as KL
+        from turboquant_hf.kernels import tuning as KT
+
+        n, k, g = 1000, 2048, 128
+        packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=13)
+        knl = 4 if nl == 3 else nl
+        pk = layout.to_runtime(packed, nl, g, k // g)
+        kcb = layout.pairs_codebook(cb) if nl == 3 else layout.runtime_codebook(cb)
+        pk, nr_d, cb_d, s1_d, s2_d = (t.to(dev) for t in (pk, norms, kcb, s1, s2))
+        configs = [None, (16, 64, 128, 1, True, True, 1, 4, 3), (64, 128, 128, 4, True, True, 1, 4, 3),
+                   (64, 128, 128, 2, True, False, 1, 4, 3), (128, 128, 128, 1, True, True, 4, 8, 3),
+                   (128, 128, 128, 1, False, False, 4, 8, 3), (256, 128, 128, 1, True, True, 8, 8, 2)]
+        for m in (17, 64, 300):
+            x = torch.randn(m, k)
+            refd = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
+            for dt in (torch.bfloat16, torch.float16):
+                for cfg in configs:
+                    cfg = cfg or KG.gemm_config(m, n, k // g, knl, g)
+                    xr = KL.rotate(x.to(dev, dt), s1_d, s2_d, g, dt, lane_unit=KG.lane_unit(knl) if cfg[5] else 0)
+                    y = KG.gemm(xr, pk, nr_d, cb_d, g, dt, config=cfg)
+                    err = _rel(y, refd) if torch.isfinite(y).all() else float("nan")
+                    ok = y.shape == (m, n) and err < tol[dt] and not KG._counters(y.device).any()
+                    failures += not ok
+                    print(f"{'ok  ' if ok else 'FAIL'} gemm bits={bits} M={m} {str(dt)[6:]} {cfg} rel_err={err:.2e}")
+        old = KT.GEMM_MIN_M
+        KT.GEMM_MIN_M = 17
+        try:
+            for m in (17, 300):
+                x = torch.randn(m, k).to(torch.bfloat16)
+                refd = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
+                y = torch.ops.turboquant.linear(x.to(dev), pk, nr_d, cb_d, s1_d, s2_d, g, k)
+                err = _rel(y, refd)
+                ok = err < 1e-2
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} op with the gemm bits={bits} M={m} rel_err={err:.2e}")
+            static_x = torch.randn(40, k, device=dev, dtype=torch.bfloat16)
+            assert KG.gemm_config(40, n, k // g, knl, g)[3] > 1  # (split-K inside the graph)
+            torch.ops.turboquant.linear(static_x, pk, nr_d, cb_d, s1_d, s2_d, g, k)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_y = torch.ops.turboquant.linear(static_x, pk, nr_d, cb_d, s1_d, s2_d, g, k)
+            for _ in range(2):
+                xn = torch.randn(40, k, dtype=torch.bfloat16)
+                static_x.copy_(xn.to(dev))
+                graph.replay()
+                torch.cuda.synchronize()
+                err = _rel(static_y, ops.turboquant_linear(xn.float(), packed, norms, cb, s1, s2, g, k))
+                ok = err < 1e-2
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} gemm split-K CUDA graph bits={bits} rel_err={err:.2e}")
+        finally:
+            KT.GEMM_MIN_M = old
     # the MoE op on CUDA (pair path at decode, the fused routed products for many tokens: blocks of 32 rows at
     # T = 40, of 128 at T = 300) against the CPU reference, and both inside a CUDA graph
     e, h, inter, g = 16, 512, 256, 128

@@ -53,3 +53,16 @@ def moe_scratch_bytes() -> int:
     if mb < 1:
         raise ValueError(f"TURBOQUANT_MOE_SCRATCH_MB must be a whole number of MiB, at least 1, not {raw!r}")
     return mb << 20
+
+
+def gemm_min_m() -> int:
+    """`TURBOQUANT_GEMM_MIN_M`: the smallest number of activation rows the packed-weight GEMM serves (at least 2;
+    unset or 0: the GEMM serves none, `kernels/gemm.py`)."""
+    raw = os.environ.get("TURBOQUANT_GEMM_MIN_M", "0")
+    try:
+        m = int(raw)
+    except ValueError:
+        m = -1
+    if m < 0 or m == 1:
+        raise ValueError(f"TURBOQUANT_GEMM_MIN_M must be 0 (off) or a number of rows of at least 2, not {raw!r}")
+    return m or 1 << 62
