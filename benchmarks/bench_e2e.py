@@ -30,6 +30,10 @@ device's time: the quantized layers never wait for the host at any length) and e
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("USE_HUB_KERNELS", "0")  # (transformers 5.25 fetches Hub kernels on CUDA: none offline)
+
 import argparse
 import datetime
 import gc

@@ -17,9 +17,12 @@ instead, for running the whole path on CPU (gloo) where the timings mean nothing
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("USE_HUB_KERNELS", "0")  # (transformers 5.25 fetches Hub kernels on CUDA: none offline)
+
 import argparse
 import json
-import os
 import sys
 import time
 

@@ -15,6 +15,10 @@ reported on CUDA.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("USE_HUB_KERNELS", "0")  # (transformers 5.25 fetches Hub kernels on CUDA: none offline)
+
 import argparse
 import datetime
 import gc

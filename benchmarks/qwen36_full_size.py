@@ -11,6 +11,10 @@ short greedy `generate`.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("USE_HUB_KERNELS", "0")  # (transformers 5.25 fetches Hub kernels on CUDA: none offline)
+
 import argparse
 import gc
 import json

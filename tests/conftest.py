@@ -1,7 +1,11 @@
 import os
 import sys
 
-import pytest
+# The suite runs on machines without a network: transformers 5.25 fetches Hub kernels on CUDA by default and raises
+# offline (the tests' subprocesses inherit this).
+os.environ.setdefault("USE_HUB_KERNELS", "0")
+
+import pytest  # noqa: E402
 import torch
 from safetensors.torch import load_file
 
