@@ -46,7 +46,7 @@ class editable_wheel_with_pth(editable_wheel):
 
 
 setup(
-    name="turboquant-hf",
+    name="turboquant-transformers",  # (the import name is turboquant_hf, the command turboquant-hf)
     version="0.1.0",
     description="TurboQuant weight quantization (tq3_native) for Hugging Face transformers",
     long_description=open("README.md", encoding="utf-8").read(),

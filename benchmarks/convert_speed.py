@@ -264,7 +264,7 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "safetensors", "turboquant-hf", "turboquant-plus-vllm", "triton"):
+    for pkg in ("torch", "transformers", "safetensors", "turboquant-transformers", "turboquant-plus-vllm", "triton"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:

@@ -320,11 +320,15 @@ def resolve_base_model(directory: str, base_model: str | None = None) -> tuple[s
 
 # ---------------------------------------------------------------------------------------------------------------
 # rendering
+# This package's name on the package index (the import name is turboquant_hf, the command turboquant-hf).
+DISTRIBUTION = "turboquant-transformers"
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for pkg in ("turboquant-hf", "transformers", "torch", "safetensors", "huggingface_hub"):
+    for pkg in (DISTRIBUTION, "transformers", "torch", "safetensors", "huggingface_hub"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -510,6 +514,7 @@ def card_context(directory: str, repo_id: str | None = None, base_model: str | N
         "config_code": config_code,
         "config_import": "TurboQuantConfig" if config_code.startswith("TurboQuantConfig") else "recipes",
         "out_name": out_name, "seed": qc.get("quantizer_seed", fmt.QUANTIZER_SEED), "versions_text": versions_text,
+        "distribution": DISTRIBUTION,
         "license": front.get("license"), "evaluation": evaluation,
     }
 
