@@ -11,8 +11,8 @@ from .modules import TurboQuantExperts, TurboQuantLinear
 
 def restore_plain_modules(model: nn.Module, dtype: torch.dtype) -> int:
     """Replace every TurboQuant module of `model` by the plain module it stands for, holding the weights it
-    computes with (`dequantize`) in `dtype`: a `TurboQuantLinear` by an `nn.Linear`, a `TurboQuantExperts` by
-    the transformers experts module it replaced. Returns the number of modules restored."""
+    computes with (`dequantize`) in `dtype`: a `TurboQuantLinear` by an `nn.Linear` (or the plain nn.Linear
+    subclass it replaced), a `TurboQuantExperts` by the transformers experts module it replaced. Returns the number of modules restored."""
     unfuse_projections(model)
     count = 0
     for name, module in list(model.named_modules()):
@@ -25,8 +25,10 @@ def restore_plain_modules(model: nn.Module, dtype: torch.dtype) -> int:
                 plain = Conv1D(module.out_features, module.in_features).to(device=w.device, dtype=dtype)
                 weight = weight.t().contiguous()
             else:
-                plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                  device=w.device, dtype=dtype)
+                cls = module.__dict__.get("source_class", nn.Linear)
+                plain = cls.__new__(cls)  # (nn.Linear's own initialisation: a plain subclass adds nothing to it)
+                nn.Linear.__init__(plain, module.in_features, module.out_features, bias=module.bias is not None,
+                                   device=w.device, dtype=dtype)
             plain.weight = nn.Parameter(weight, requires_grad=False)
             if module.bias is not None:
                 plain.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)

@@ -423,8 +423,8 @@ def replace_experts_modules(model: nn.Module, plan: dict, awaiting_weights: bool
 
 
 def replace_linear_modules(model: nn.Module, plan: dict, awaiting_weights: bool) -> int:
-    """Swap every `nn.Linear` (or GPT-2 `Conv1D`, whose weight is stored `(in, out)`) named in `plan`
-    (`{name: planning.LinearPlan}`) for a TurboQuantLinear."""
+    """Swap every `nn.Linear` (a plain subclass too, `linear_kind`; or GPT-2 `Conv1D`, whose weight is stored
+    `(in, out)`) named in `plan` (`{name: planning.LinearPlan}`) for a TurboQuantLinear."""
     for name, p in plan.items():
         linear = model.get_submodule(name)
         transposed = is_conv1d(linear)
@@ -443,8 +443,35 @@ def replace_linear_modules(model: nn.Module, plan: dict, awaiting_weights: bool)
         new.weight.source_transposed = transposed
         if awaiting_weights:
             new.weight.awaiting_dtype = linear.weight.dtype
+        if type(linear) is not nn.Linear and not transposed:  # (a plain subclass: `dequantize` restores its class)
+            new.__dict__["source_class"] = type(linear)
         model.set_submodule(name, new)
     return len(plan)
+
+
+# nn.Linear subclasses of transformers whose forward overrides nn.Linear's with the same map, `x @ W.T + b`
+# (FalconLinear writes it out by hand); they are quantized like nn.Linear and dequantized back to their class.
+PLAIN_LINEAR_SUBCLASSES = ("FalconLinear",)
+
+
+def linear_kind(module: nn.Module) -> str:
+    """How the quantizer treats a module: "linear" (an `nn.Linear`, a subclass that keeps nn.Linear's forward and
+    holds only its weight and bias, or one of PLAIN_LINEAR_SUBCLASSES), "conv1d" (GPT-2's `Conv1D`), "other" (an
+    nn.Linear subclass with a forward or parameters of its own: a router, a grouped or decoupled projection, ...,
+    kept in full precision) or "" (not a linear layer)."""
+    if type(module) is nn.Linear:
+        return "linear"
+    if is_conv1d(module):
+        return "conv1d"
+    if not isinstance(module, nn.Linear):
+        return ""
+    cls = type(module)
+    own = {n for n, _ in module.named_parameters(recurse=True)} | {n for n, _ in module.named_buffers(recurse=True)}
+    if own - {"weight", "bias"}:
+        return "other"
+    if cls.__name__ in PLAIN_LINEAR_SUBCLASSES or cls.forward is nn.Linear.forward:
+        return "linear"
+    return "other"
 
 
 def is_conv1d(module: nn.Module) -> bool:

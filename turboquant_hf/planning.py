@@ -25,7 +25,7 @@ from . import checkpoint as ckpt
 from . import format as fmt
 from .activations import ACTIVATIONS
 from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
-from .modules import fused_experts_geometry, is_conv1d, replace_experts_modules, replace_linear_modules
+from .modules import fused_experts_geometry, is_conv1d, linear_kind, replace_experts_modules, replace_linear_modules
 
 GROUPS = "groups"  # rotation per quantization group (tq3_native)
 HADAMARD = "hadamard"  # whole-row rotation (turboquant-mlx)
@@ -63,6 +63,8 @@ class Plan:
     # model parameter -> checkpoint key: packed by a writer that quantizes more than this package keeps packed
     # (routers, ...); dequantized into the full-precision parameter after loading
     dequantize_into: dict[str, str] = field(default_factory=dict)
+    # linear layers left in full precision that a user could expect quantized -> why
+    kept: dict[str, str] = field(default_factory=dict)
 
     def apply(self, model: nn.Module, awaiting_weights: bool) -> None:
         """Swap the planned modules in (`awaiting_weights`: their weights will be quantized while loading)."""
@@ -145,7 +147,12 @@ def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
     for name, module in model.named_modules():
         if matches_any(name, skip):
             continue
-        if type(module) is nn.Linear or is_conv1d(module):
+        kind = linear_kind(module)
+        if kind == "other":
+            plan.kept[name] = (f"{type(module).__name__} is an nn.Linear subclass with a forward or parameters of its "
+                               "own, not a plain linear map")
+            continue
+        if kind:
             if name in tied:
                 _warn_if_named(name, config, logger)
                 continue
@@ -163,6 +170,18 @@ def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
             plan.experts[name] = ExpertsPlan(config.bits_for(name + ".gate_up_proj"),
                                              config.bits_for(name + ".down_proj"), config.group_size, activation)
     return plan
+
+
+def kept_summary(plan: Plan) -> str:
+    """The layers a plan leaves in full precision, by reason (a few names each), for messages."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in plan.kept.items():
+        by_reason.setdefault(reason, []).append(name)
+    parts = []
+    for reason, names in by_reason.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"{shown} ({reason})")
+    return "; ".join(parts)
 
 
 def tied_linears(model) -> set[str]:
@@ -217,7 +236,7 @@ def from_checkpoint(model, index: dict, config: TurboQuantConfig) -> Plan:
             rows *= d
         n_levels, norms_dtype = ckpt.check_packed_tensor(index, key, rows, source_shape[-1], group_size)
         bits = fmt.bits_for_levels(n_levels)
-        if (type(owner) is nn.Linear or is_conv1d(owner)) and attr == "weight":
+        if linear_kind(owner) in ("linear", "conv1d") and attr == "weight":
             plan.linears[owner_name] = LinearPlan(bits, group_size, norms_dtype)
         elif attr in ("gate_up_proj", "down_proj") and fused_experts_geometry(owner) is not None:
             experts_keys.setdefault(owner_name, {})[attr] = (key, bits, norms_dtype)
@@ -295,7 +314,7 @@ def _plan_hadamard_keys(model, index, keys, meta, plan: Plan) -> None:
             rows, width = (e * h, i) if leaf == "down_proj" else (e * i, h)
             experts_parts.setdefault(owner_name, {})[leaf] = (key,) + ckpt.check_hadamard_tensor(index, key, rows,
                                                                                                   width)
-        elif type(owner) is nn.Linear and model_key.endswith(".weight"):
+        elif linear_kind(owner) == "linear" and model_key.endswith(".weight"):
             n_levels, group_size, norms_dtype = ckpt.check_hadamard_tensor(index, key, owner.out_features,
                                                                            owner.in_features)
             plan.linears[owner_name] = LinearPlan(fmt.bits_for_levels(n_levels), group_size, norms_dtype, HADAMARD)

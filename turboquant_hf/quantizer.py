@@ -113,11 +113,14 @@ class TurboQuantHfQuantizer(HfQuantizer):
             self.dequantize_into = plan.dequantize_into
         else:
             plan = planning.from_config(model, self.quantization_config, logger=logger)
+            kept = planning.kept_summary(plan)
             if not plan.linears and not plan.experts:
                 raise ValueError(
                     f"TurboQuant: {type(model).__name__} has no layer this version quantizes (nn.Linear, GPT-2 Conv1D "
                     "or fused MoE experts) outside modules_to_not_convert; nothing would be quantized"
-                )
+                    + (f". Kept in full precision: {kept}" if kept else ""))
+            if kept:
+                logger.warning("TurboQuant: kept in full precision: %s", kept)
             config = self.quantization_config
             if config.calibration is not None or config.target_bits_per_weight is not None:
                 self.deferred = True
