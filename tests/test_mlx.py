@@ -431,7 +431,7 @@ def test_affine_module_in_a_turboquant_checkpoint_is_named(fixtures, tmp_path):
 
 _KERNEL_CHECK = r"""
 import torch
-import turboquant_hf.kernels as k
+import turboquant_hf.kernels.registry as k
 from turboquant_hf import codec, ops
 assert k._cuda_hadamard_linear is not None
 worst = 0.0
