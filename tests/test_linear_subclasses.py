@@ -1,5 +1,6 @@
 """`nn.Linear` subclasses: quantized when their forward is the plain linear map (Falcon's `FalconLinear`), kept in
-full precision with the reason named when it is not (routers, decoupled or grouped projections)."""
+full precision with the reason named when it is not (routers, decoupled or grouped projections); layers a model
+keeps in float32 are reported the same way."""
 
 from __future__ import annotations
 
@@ -108,3 +109,18 @@ def test_subclasses_with_their_own_forward_are_kept_and_named(caplog):
     with caplog.at_level(logging.WARNING):
         TurboQuantHfQuantizer(TurboQuantConfig(bits=4), pre_quantized=False)._process_model_before_weight_loading(model)
     assert "kept in full precision" in caplog.text and "Doubled" in caplog.text, caplog.text
+
+
+def test_float32_modules_of_the_model_are_reported():
+    """T5 keeps its feed-forward output projections in float32 (`_keep_in_fp32_modules`): they stay unquantized,
+    and the plan says so for each, with the reason, instead of leaving them out silently."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=128, d_ff=256, num_layers=2, num_heads=4,
+                                                d_kv=32))
+    plan = planning.from_config(model, TurboQuantConfig(bits=4))
+    wo = {n for n, _ in model.named_modules() if n.endswith("DenseReluDense.wo")}
+    assert len(wo) == 4 and set(plan.kept) == wo and not wo & set(plan.linears)
+    assert all("_keep_in_fp32_modules" in reason for reason in plan.kept.values())
+    assert "wo" in planning.kept_summary(plan)
+    assert len(plan.linears) == 28  # the attention projections and wi of 2 encoder and 2 decoder blocks

@@ -141,11 +141,14 @@ def checkpoint_to_model_keys(model, keys, meta=None) -> dict[str, str]:
 def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
     """The plan of quantizing `model` with `config`: every `nn.Linear` and fused experts module not skipped."""
     skip = skip_patterns(model, config)
+    fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
     activation = activation_of(model)
     tied = tied_linears(model)
     plan = Plan()
     for name, module in model.named_modules():
         if matches_any(name, skip):
+            if fp32 and linear_kind(module) and matches_any(name, fp32):
+                plan.kept[name] = f"{type(model).__name__} keeps it in float32 (_keep_in_fp32_modules)"
             continue
         kind = linear_kind(module)
         if kind == "other":
