@@ -144,7 +144,11 @@ def main() -> int:
                 T.GEMM_MIN_M = 1 << 30  # the dispatch without the GEMM
                 t_op, _ = B.time_calls([lambda pk=pk, nr=nr: torch.ops.turboquant.linear(
                     x, pk, nr, case.cb_ours, case.s1, case.s2, case.g, k) for pk, nr in q], graph=True)
-                T.GEMM_MIN_M = 17  # ... and with it, as `gemm_config` chooses
+                T.GEMM_MIN_M = 17  # ... and with it, as `gemm_config` chooses (checked first)
+                y_op = torch.ops.turboquant.linear(x, q[0][0], q[0][1], case.cb_ours, case.s1, case.s2, case.g, k)
+                err_op = B.rel_err(y_op, ref)
+                if not err_op < 2e-2:
+                    print(f"  {label} M={m}: the op with the GEMM is WRONG: rel. error {err_op:.2e}", flush=True)
                 t_op_gemm, _ = B.time_calls([lambda pk=pk, nr=nr: torch.ops.turboquant.linear(
                     x, pk, nr, case.cb_ours, case.s1, case.s2, case.g, k) for pk, nr in q], graph=True)
                 T.GEMM_MIN_M = old
