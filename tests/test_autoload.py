@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 from conftest import make_tokenizer, spread_weights_
@@ -92,36 +91,45 @@ def _save_moe(path):
     return model, out
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_program_that_never_imports_us_gets_the_same_logits(kind, tiny_llama_dir, tmp_path):
-    if kind == "dense":
-        saved = str(tmp_path / "tq3")
-        model = _save_dense(tiny_llama_dir, saved)
-        make_tokenizer(saved)
-    else:
-        model, saved = _save_moe(str(tmp_path))
+def test_program_that_never_imports_us_gets_the_same_logits(tiny_llama_dir, tmp_path):
+    """A dense and an MoE checkpoint, loaded in one fresh interpreter through `AutoModelForCausalLM` (both) and
+    `pipeline` (dense), give the logits of the models that saved them; with the hook off, the dense one does not."""
+    dense = str(tmp_path / "dense-tq3")
+    model = _save_dense(tiny_llama_dir, dense)
+    make_tokenizer(dense)
+    moe_model, moe = _save_moe(str(tmp_path))
     ids = torch.arange(3, 23).view(1, -1)
     with torch.no_grad():
-        want = model(ids).logits.float()
+        want = {"dense": model(ids).logits.float(), "moe": moe_model(ids).logits.float()}
     torch.save(ids, tmp_path / "ids.pt")
+    out = {k: str(tmp_path / f"{k}.pt") for k in ("dense", "moe", "pipe")}
     program = f"""
         import sys, torch
         from transformers import AutoModelForCausalLM, pipeline
-        model = AutoModelForCausalLM.from_pretrained({saved!r}, dtype=torch.bfloat16)
-        assert "turboquant_hf" in sys.modules
+        ids = torch.load({str(tmp_path / 'ids.pt')!r})
+        for path, out in (({dense!r}, {out['dense']!r}), ({moe!r}, {out['moe']!r})):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+            assert "turboquant_hf" in sys.modules
+            with torch.no_grad():
+                torch.save(model(ids).logits.float(), out)
+        pipe = pipeline("text-generation", model={dense!r}, dtype=torch.bfloat16)
         with torch.no_grad():
-            torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits.float(), {str(tmp_path / 'got.pt')!r})
-        pipe = pipeline("text-generation", model={saved!r}, dtype=torch.bfloat16)
-        with torch.no_grad():
-            y = pipe.model(torch.load({str(tmp_path / 'ids.pt')!r})).logits.float()
-        torch.save(y, {str(tmp_path / 'pipe.pt')!r})
+            torch.save(pipe.model(ids).logits.float(), {out['pipe']!r})
     """
     r = _fresh(program)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert torch.equal(torch.load(tmp_path / "got.pt"), want)
-    assert torch.equal(torch.load(tmp_path / "pipe.pt"), want)
+    assert torch.equal(torch.load(out["dense"]), want["dense"])
+    assert torch.equal(torch.load(out["moe"]), want["moe"])
+    assert torch.equal(torch.load(out["pipe"]), want["dense"])
     # with the hook off, transformers alone cannot read the checkpoint: the module is not ours
-    os.remove(tmp_path / "got.pt")
-    r = _fresh(program.replace('assert "turboquant_hf" in sys.modules', 'assert "turboquant_hf" not in sys.modules'),
-               TURBOQUANT_AUTOLOAD="0")
-    assert r.returncode != 0 or not torch.equal(torch.load(tmp_path / "got.pt"), want), r.stderr[-2000:]
+    os.remove(out["dense"])
+    off = f"""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({dense!r}, dtype=torch.bfloat16)
+        assert "turboquant_hf" not in sys.modules
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits.float(), {out['dense']!r})
+    """
+    r = _fresh(off, TURBOQUANT_AUTOLOAD="0")
+    assert r.returncode != 0 or not torch.equal(torch.load(out["dense"]), want["dense"]), r.stderr[-2000:]
