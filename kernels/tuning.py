@@ -27,6 +27,8 @@ MID_MAX_M = 64
 # output bit for bit) rather than the tensor-core one. ROWS_CONFIG, when set, overrides `_rows_config`.
 ROWS_MAX_M = 16
 ROWS_CONFIG = None
+# Rows a program of the tensor-core rotation above ROWS_MAX_M (0: 64 for 16-bit activations, else 16).
+ROTATE_BM = 0
 
 # Which index numbers j of a unit are looked up with a load from the codebook (bit j set) rather
 # than a tree of selects: the mix that balances the load/store and integer pipes (the codebook
