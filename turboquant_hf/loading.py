@@ -1,18 +1,24 @@
 """How transformers finds TurboQuant checkpoints, and the check that no load hands back random weights.
 
-transformers builds a quantizer only from the `quantization_config` of the loaded config. Two ways a TurboQuant
-checkpoint can reach the loader without one are closed here:
+transformers builds a quantizer only from the `quantization_config` of the loaded config. Three ways a TurboQuant
+checkpoint can reach the loader without a usable one are closed here (`complete_config_dict`):
 
 - the published checkpoints describe themselves in `tq_config.json` only: when a folder or Hub repo has that
   file and its config.json has no `quantization_config`, the config read by any config class gets the one
   `tq_config.json` describes;
+- a turboquant-mlx config.json, whose `quantization_config` is MLX's block (`{"mode": "turboquant", "bits",
+  "group_size", ...}`, no `quant_method`), gets this package's config in its place; other MLX modes (affine) are
+  left as they are, for transformers to refuse as it does without this package;
 - a composite checkpoint (a multimodal config with the language model's config inside) loaded by a class that
   reads only the inner config (`Qwen3_5MoeForCausalLM` on a `Qwen3_5MoeForConditionalGeneration` folder): the
   inner config inherits the outer `quantization_config`.
 
-Whatever the entry point, every load of a model is then checked after its tensors are placed: a TurboQuant
-tensor that the model did not take, or a TurboQuant module whose tensors did not arrive, raises
-`CheckpointError` naming the tensors and the class used, instead of leaving freshly initialised weights.
+Whatever the entry point, every load of a model is then checked after its tensors are placed
+(`check_loaded_keys`): a TurboQuant tensor that the model did not take, or a TurboQuant module whose tensors did
+not arrive, raises `CheckpointError` naming the tensors and the class used, instead of leaving freshly initialised
+weights.
+
+`turboquant_hf.patches` installs these two functions into transformers.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ def complete_config_dict(cls, path, config_dict: dict, kwargs: dict) -> dict:
     checkpoint needs (see the module docstring). Returns the dict, changed in place."""
     if not isinstance(config_dict, dict) or not config_dict:
         return config_dict
+    if _is_mlx_turboquant_block(config_dict.get("quantization_config")):
+        config_dict["quantization_config"] = TurboQuantConfig.from_mlx(config_dict["quantization_config"]).to_dict()
     if "quantization_config" not in config_dict and not isinstance(path, dict):
         tq = _find_tq_config(os.fspath(path), kwargs, config_dict.get("_commit_hash"))
         if tq is not None:
@@ -89,6 +97,12 @@ def complete_config_dict(cls, path, config_dict: dict, kwargs: dict) -> dict:
         for sub in inner:
             sub.setdefault("quantization_config", dict(block) if isinstance(block, dict) else block.to_dict())
     return config_dict
+
+
+def _is_mlx_turboquant_block(block) -> bool:
+    """MLX's block (`{"group_size", "bits", "mode"}`, never a `quant_method`) of a turboquant-mlx checkpoint."""
+    return (isinstance(block, dict) and "quant_method" not in block and "group_size" in block and "bits" in block
+            and block.get("mode") == "turboquant")
 
 
 def check_loaded_keys(model, loading_info) -> None:
@@ -144,29 +158,3 @@ def _first(names) -> str:
     names = list(names)
     more = f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
     return ", ".join(names[:_SHOWN]) + more
-
-
-def install() -> None:
-    """Hook the two places of transformers described in the module docstring (idempotent)."""
-    from transformers.configuration_utils import PreTrainedConfig
-    from transformers.modeling_utils import PreTrainedModel
-
-    get_config_dict = PreTrainedConfig.__dict__["get_config_dict"].__func__
-    if not getattr(get_config_dict, "_turboquant", False):
-        def get_config_dict_with_turboquant(cls, pretrained_model_name_or_path, **kwargs):
-            config_dict, rest = get_config_dict(cls, pretrained_model_name_or_path, **kwargs)
-            return complete_config_dict(cls, pretrained_model_name_or_path, config_dict, kwargs), rest
-
-        get_config_dict_with_turboquant._turboquant = True
-        get_config_dict_with_turboquant.__doc__ = get_config_dict.__doc__
-        PreTrainedConfig.get_config_dict = classmethod(get_config_dict_with_turboquant)
-
-    adjust = PreTrainedModel._adjust_missing_and_unexpected_keys
-    if not getattr(adjust, "_turboquant", False):
-        def adjust_and_check(self, loading_info):
-            adjust(self, loading_info)
-            check_loaded_keys(self, loading_info)
-
-        adjust_and_check._turboquant = True
-        adjust_and_check.__doc__ = adjust.__doc__
-        PreTrainedModel._adjust_missing_and_unexpected_keys = adjust_and_check

@@ -18,8 +18,6 @@ def register() -> None:
         if QUANT_METHOD in auto.AUTO_QUANTIZER_MAPPING:
             del auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD]
         auto.register_quantizer(QUANT_METHOD)(TurboQuantHfQuantizer)
-    from . import loading
-    from .mlx import accept_mlx_quantization_blocks
+    from . import patches
 
-    accept_mlx_quantization_blocks()
-    loading.install()
+    patches.install()
