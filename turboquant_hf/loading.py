@@ -3,9 +3,10 @@
 transformers builds a quantizer only from the `quantization_config` of the loaded config. Three ways a TurboQuant
 checkpoint can reach the loader without a usable one are closed here (`complete_config_dict`):
 
-- the published checkpoints describe themselves in `tq_config.json` only: when a folder or Hub repo has that
-  file and its config.json has no `quantization_config`, the config read by any config class gets the one
-  `tq_config.json` describes;
+- the published checkpoints describe themselves in `tq_config.json` only: when a folder has that file (or, for a
+  Hub repo, the local Hub cache holds it for the commit being loaded) and its config.json has no
+  `quantization_config`, the config read by any config class gets the one `tq_config.json` describes. Nothing is
+  asked of the Hub for this: a config without `quantization_config` costs no request more than transformers' own;
 - a turboquant-mlx config.json, whose `quantization_config` is MLX's block (`{"mode": "turboquant", "bits",
   "group_size", ...}`, no `quant_method`), gets this package's config in its place; other MLX modes (affine) are
   left as they are, for transformers to refuse as it does without this package;
@@ -16,7 +17,9 @@ checkpoint can reach the loader without a usable one are closed here (`complete_
 Whatever the entry point, every load of a model is then checked after its tensors are placed
 (`check_loaded_keys`): a TurboQuant tensor that the model did not take, or a TurboQuant module whose tensors did
 not arrive, raises `CheckpointError` naming the tensors and the class used, instead of leaving freshly initialised
-weights.
+weights. A Hub repo in the published form whose `tq_config.json` was not in the cache is found there: its
+`tq_config.json` is fetched then (the one request this costs, made only for a checkpoint that holds TurboQuant
+tensors) and the error says that loading it again works as it is.
 
 `turboquant_hf.patches` installs these two functions into transformers.
 """
@@ -45,22 +48,45 @@ def _is_turboquant_block(block) -> bool:
 
 
 def _find_tq_config(path, kwargs: dict, commit_hash) -> dict | None:
-    """The `tq_config.json` beside the config of `path` (a folder or a Hub repo id), or None."""
+    """The `tq_config.json` beside the config of `path` (a folder), or the one the local Hub cache holds for `path`
+    (a Hub repo id) at `commit_hash`; None otherwise. Never asks the Hub."""
     subfolder = kwargs.get("subfolder") or ""
     if os.path.isdir(path):
         candidate = os.path.join(path, subfolder, fmt.TQ_CONFIG_NAME)
     elif os.path.isfile(path) or kwargs.get("gguf_file"):
         return None
     else:
-        from transformers.utils.hub import cached_file
+        candidate = _cached_in_hub_cache(path, subfolder, kwargs.get("cache_dir"),
+                                         commit_hash or kwargs.get("revision"))
+    return _read_tq_config(candidate)
 
-        candidate = cached_file(
-            path, fmt.TQ_CONFIG_NAME, subfolder=subfolder, cache_dir=kwargs.get("cache_dir"),
-            revision=kwargs.get("revision"), token=kwargs.get("token"),
-            local_files_only=kwargs.get("local_files_only", False), _commit_hash=commit_hash,
-            _raise_exceptions_for_gated_repo=False, _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-        )
+
+def _cached_in_hub_cache(repo_id: str, subfolder: str, cache_dir, revision) -> str | None:
+    """The path of the repo's `tq_config.json` in the local Hub cache, or None (not cached, known to be missing,
+    or `repo_id` is no repo id)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    filename = f"{subfolder}/{fmt.TQ_CONFIG_NAME}" if subfolder else fmt.TQ_CONFIG_NAME
+    try:
+        found = try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+    except ValueError:  # (huggingface_hub's HFValidationError: not a repo id)
+        return None
+    return found if isinstance(found, str) else None
+
+
+def fetch_tq_config(repo_id: str, revision) -> dict | None:
+    """The repo's `tq_config.json` from the Hub (into the local cache), or None when it has none or the Hub cannot
+    be reached."""
+    from transformers.utils.hub import cached_file
+
+    candidate = cached_file(
+        repo_id, fmt.TQ_CONFIG_NAME, revision=revision, _raise_exceptions_for_gated_repo=False,
+        _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False,
+    )
+    return _read_tq_config(candidate)
+
+
+def _read_tq_config(candidate) -> dict | None:
     if not candidate or not os.path.isfile(candidate):
         return None
     try:
@@ -112,12 +138,7 @@ def check_loaded_keys(model, loading_info) -> None:
     source = getattr(model.config, "_name_or_path", None) or getattr(model.config, "name_or_path", None)
     where = f"{type(model).__name__}.from_pretrained({source!r})" if source else type(model).__name__
     if unexpected and quantizer is None:
-        raise CheckpointError(
-            f"{where}: the checkpoint holds TurboQuant tensors ({_first(unexpected)}) but was loaded without the "
-            f"turboquant quantizer, which would leave random weights in their place. Its config.json has no "
-            f"turboquant quantization_config and no {fmt.TQ_CONFIG_NAME} describes it: load it with "
-            "quantization_config=TurboQuantConfig(bits=..., group_size=...) as it was written"
-        )
+        raise CheckpointError(_undescribed(model, where, source, unexpected))
     if quantizer is None:
         return
     quantizer.raise_conversion_failures()
@@ -141,6 +162,32 @@ def check_loaded_keys(model, loading_info) -> None:
         raise CheckpointError(
             f"{where}: the checkpoint is missing {len(missing)} tensor(s) of quantized layers ({_first(missing)})"
         )
+
+
+def _undescribed(model, where: str, source, unexpected) -> str:
+    """The error for TurboQuant tensors loaded without the quantizer. For a Hub repo, its `tq_config.json` is
+    fetched now (into the cache, so that loading it again finds it) and named in the fix."""
+    said = (f"{where}: the checkpoint holds TurboQuant tensors ({_first(unexpected)}) but was loaded without the "
+            "turboquant quantizer, which would leave random weights in their place. ")
+    tq = None
+    if isinstance(source, str) and source and not os.path.exists(source):
+        try:
+            tq = fetch_tq_config(source, getattr(model.config, "_commit_hash", None))
+        except Exception:  # noqa: BLE001  (what goes wrong while this error is written must not replace it)
+            tq = None
+    if tq is None:
+        return said + (f"Its config.json has no turboquant quantization_config and no {fmt.TQ_CONFIG_NAME} describes "
+                       "it: load it with quantization_config=TurboQuantConfig(bits=..., group_size=...) as it was "
+                       "written")
+    try:
+        config = TurboQuantConfig.from_tq_config(tq)
+        explicit = f"TurboQuantConfig(bits={config.bits}, group_size={config.group_size})"
+    except ValueError:
+        explicit = "TurboQuantConfig(bits=..., group_size=...)"
+    return said + (f"The repo describes them in {fmt.TQ_CONFIG_NAME} only, which is read before loading when the "
+                   "local Hub cache holds it (turboquant_hf asks the Hub for nothing while configs load); it is in "
+                   f"the cache now, so loading {source!r} again works as it is. Or pass "
+                   f"quantization_config={explicit}")
 
 
 def quantized_module_names(model) -> set[str]:

@@ -11,9 +11,9 @@ Process-wide, installed once by `install()` (from `turboquant_hf.register()`, wh
 
 1. `PreTrainedConfig.get_config_dict` (a classmethod): after transformers has read the config dict,
    `loading.complete_config_dict` gives it the TurboQuant `quantization_config` a published checkpoint describes
-   in `tq_config.json` only (in the folder or the Hub repo), rewrites a turboquant-mlx block into this package's
-   config, and lets the inner config of a composite checkpoint inherit the outer one. Every config class reads
-   through this one classmethod.
+   in `tq_config.json` only (found in the folder, or for a Hub repo in the local Hub cache: it asks the Hub for
+   nothing), rewrites a turboquant-mlx block into this package's config, and lets the inner config of a composite
+   checkpoint inherit the outer one. Every config class reads through this one classmethod.
    No public hook: transformers builds a quantizer only from the `quantization_config` of the config it read;
    every HfQuantizer hook runs on a quantizer, so none runs for a checkpoint whose config.json names none (and
    transformers rejects a block without `quant_method` before any quantizer exists).
