@@ -4,8 +4,8 @@ a method of a model instance; `tests/test_patches.py` lists what a process that 
 replaced and fails on anything that is not named in `PROCESS_WIDE` or `ON_MODELS`.
 
 What goes through public interfaces instead, and is no patch: the `turboquant` method in transformers' quantizer
-registry (`register_quantization_config` / `register_quantizer`, `registration.py`) and every loader hook of
-`TurboQuantHfQuantizer` (`quantizer.py`).
+registry (`register_quantization_config` / `register_quantizer`, `registration.py`, which replaces only an entry
+of its own and leaves another package's in place) and every loader hook of `TurboQuantHfQuantizer` (`quantizer.py`).
 
 Process-wide, installed once by `install()` (from `turboquant_hf.register()`, which importing the package runs):
 
