@@ -6,6 +6,9 @@ replaced and fails on anything that is not named in `PROCESS_WIDE` or `ON_MODELS
 What goes through public interfaces instead, and is no patch: the `turboquant` method in transformers' quantizer
 registry (`register_quantization_config` / `register_quantizer`, `registration.py`, which replaces only an entry
 of its own and leaves another package's in place) and every loader hook of `TurboQuantHfQuantizer` (`quantizer.py`).
+Nor are the data the quantizer sets on the model it is loading, which transformers reads for exactly that purpose
+(`_keys_to_ignore_on_load_*` for turboquant-mlx files, `_weight_conversions` for saving, the tp plan's entries for
+experts under tensor parallelism), or the forwards that tensor parallelism gives this package's own modules.
 
 Process-wide, installed once by `install()` (from `turboquant_hf.register()`, which importing the package runs):
 
