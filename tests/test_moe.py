@@ -14,6 +14,7 @@ from conftest import spread_weights_
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
 from turboquant_hf import format as fmt
 from turboquant_hf.checkpoint import CheckpointError
+from turboquant_hf.experts_layout import EXPERT_BLOCKS, ExpertsLayout
 from turboquant_hf.modules import TurboQuantExperts
 from turboquant_hf.recipes import get_recipe
 
@@ -261,6 +262,94 @@ def test_expert_count_mismatch_named(checkpoints, tmp_path):
     json.dump(config, open(tmp_path / "q" / "config.json", "w"))
     with pytest.raises(CheckpointError, match=r"experts\.(gate_up|down)_proj\.tq_(norms|packed)"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+
+
+IT = 96  # an intermediate width: 2I != H and I not a multiple of G = 64
+
+
+def _dense_experts(x, index, weights, gate_up, down, gate_up_bias, down_bias, interleaved, clamped):
+    """The routed experts written out per token and slot in float64 (independent of the package's code)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot in range(index.shape[1]):
+            ex = int(index[t, slot])
+            if not 0 <= ex < gate_up.shape[0]:
+                continue
+            a = gate_up[ex] @ x[t] + (gate_up_bias[ex] if gate_up_bias is not None else 0)
+            gate, up = (a[0::2], a[1::2]) if interleaved else a.chunk(2)
+            if clamped:
+                gate, up = gate.clamp(max=0.8), up.clamp(-0.8, 0.8)
+                mid = (up + 1) * gate * torch.sigmoid(1.5 * gate)
+            else:
+                mid = torch.nn.functional.silu(gate) * up
+            y = down[ex] @ mid + (down_bias[ex] if down_bias is not None else 0)
+            out[t] += weights[t, slot] * y
+    return out
+
+
+@pytest.mark.parametrize("interleaved, bias, clamped", [(False, True, False), (True, False, False),
+                                                        (False, True, True), (True, True, True)])
+def test_expert_op_layouts_match_dense_reference(interleaved, bias, clamped):
+    """The routed experts op with biases, interleaved gate/up outputs and the clamped SwiGLU (alpha 1.5, limit 0.8,
+    which most values pass) equals a dense float64 loop over the dequantized experts; pairs routed to no expert
+    (index -1 or E) add nothing, not even a bias."""
+    torch.manual_seed(0)
+    t = 7
+    layout = ExpertsLayout(interleaved=interleaved, bias=bias, alpha=1.5, limit=0.8)
+    m = TurboQuantExperts(E, H, I, 3, 4, 64, "clamped_swiglu" if clamped else "silu", layout=layout)
+    m.gate_up_proj.load_packed_(*codec.quantize_weight(torch.randn(E, 2 * I, H) * 0.2, 3, 64))
+    m.down_proj.load_packed_(*codec.quantize_weight(torch.randn(E, H, I) * 0.2, 4, 64))
+    if bias:
+        m.gate_up_proj_bias.data.normal_()
+        m.down_proj_bias.data.normal_()
+    gu = m.gate_up_proj.dequantize(torch.float64).view(E, 2 * I, H)
+    dn = m.down_proj.dequantize(torch.float64).view(E, H, I)
+    x = torch.randn(t, H)
+    idx = torch.stack([torch.randperm(E)[:TOP_K] for _ in range(t)])
+    idx[2, 1], idx[4, 0] = -1, E
+    wts = torch.softmax(torch.randn(t, TOP_K), -1)
+    biases = (m.gate_up_proj_bias.double(), m.down_proj_bias.double()) if bias else (None, None)
+    ref = _dense_experts(x.double(), idx, wts.double(), gu, dn, *biases, interleaved, clamped)
+    got = m(x, idx, wts)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 2e-6
+
+
+def test_llama4_expert_blocks_match_transformers_and_skip_unrouted_experts():
+    """Llama 4's convention (every expert's block of tokens at once): the quantized experts equal transformers'
+    `Llama4TextExperts` holding the dequantized weights, on blocks where each token reaches its top-k experts (rows
+    scaled by the routing score, zero elsewhere); experts no token reaches are never read (their packed bytes and
+    norms poisoned), and their output rows are zero."""
+    from transformers.models.llama4 import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    torch.manual_seed(0)
+    t, k = 5, 2
+    plain = Llama4TextExperts(Llama4TextConfig(hidden_size=H, intermediate_size=IT, num_local_experts=E))
+    m = TurboQuantExperts(E, H, IT, 3, 3, 64, "silu", layout=ExpertsLayout(transposed=True, inputs=EXPERT_BLOCKS,
+                                                                          top_k=k))
+    with torch.no_grad():
+        for attr, shape in (("gate_up_proj", (E, H, 2 * IT)), ("down_proj", (E, IT, H))):
+            source = torch.randn(shape) * 0.1
+            w = getattr(m, attr)
+            w.load_packed_(*codec.quantize_weight(source.transpose(1, 2), 3, 64))
+            setattr(plain, attr, torch.nn.Parameter(w.dequantize().view(w.source_shape).transpose(1, 2)))
+    chosen = torch.stack([torch.randperm(E - 2)[:k] for _ in range(t)])  # experts E-2 and E-1: no token
+    chosen[3, 1] = chosen[3, 0]  # a token that reaches one expert only
+    scores = torch.zeros(E, t)
+    scores.scatter_(0, chosen.t(), torch.rand(k, t) + 0.1)
+    blocks = (torch.randn(t, H)[None] * scores[:, :, None]).reshape(E * t, H)
+    for w in (m.gate_up_proj, m.down_proj):
+        rows = w.rows // E
+        w.tq_norms[(E - 2) * rows:] = float("nan")
+        idle = w.tq_packed[(E - 2) * rows * w.n_groups:]
+        idle.copy_(torch.randint(0, 256, idle.shape, dtype=torch.uint8))
+    with torch.no_grad():
+        want = plain(blocks)
+    got = m(blocks)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert torch.equal(got.view(E, t, H)[E - 2:], torch.zeros(2, t, H))
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        m(blocks[:-1])
 
 
 def test_unknown_experts_layout_is_named(caplog):

@@ -25,6 +25,7 @@ from . import checkpoint as ckpt
 from . import format as fmt
 from .activations import ACTIVATIONS
 from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
+from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout
 from .modules import fused_experts_geometry, is_conv1d, linear_kind, replace_experts_modules, replace_linear_modules
 
 GROUPS = "groups"  # rotation per quantization group (tq3_native)
@@ -43,7 +44,9 @@ class LinearPlan:
 
 @dataclass(frozen=True)
 class ExpertsPlan:
-    """One fused experts module (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) replaced by `TurboQuantExperts`.
+    """One fused experts module replaced by `TurboQuantExperts`: `layout` says how transformers stores and applies
+    it (`experts_layout.ExpertsLayout`; the default: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], gate rows
+    then up rows, no biases).
 
     With whole-row rotation (MLX) gate and up may differ: `gate_up_bits` is then a (gate, up) pair, `group_size`
     a `{projection: G}` dict and `norms_dtypes` has three entries (gate, up, down)."""
@@ -54,6 +57,7 @@ class ExpertsPlan:
     activation: str
     norms_dtypes: tuple = (None, None)
     rotation: str = GROUPS
+    layout: ExpertsLayout = DEFAULT_LAYOUT
 
 
 @dataclass
