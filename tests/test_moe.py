@@ -394,6 +394,22 @@ def test_transposed_experts_quantize_save_reload_dequantize(transposed_checkpoin
     assert torch.equal(q.generate(ids, max_new_tokens=6, do_sample=False), tokens)
 
 
+def test_missing_expert_bias_is_named(transposed_checkpoints, tmp_path):
+    """A quantized gpt-oss checkpoint without one of its expert biases is refused naming the tensor (never loaded
+    with an uninitialised bias)."""
+    from safetensors.torch import save_file
+
+    q = AutoModelForCausalLM.from_pretrained(transposed_checkpoints["gpt_oss"],
+                                             quantization_config=TurboQuantConfig(group_size=64))
+    q.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_bias"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\) of quantized layers \(model\.layers\.1\.mlp\."
+                                              r"experts\.down_proj_bias\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("kind", list(TRANSPOSED))
 def test_transposed_experts_sizes_from_headers_and_budget(transposed_checkpoints, kind):
     """The plan from safetensors headers alone (`turboquant-hf plan`, the memory plan) and the bit budget's accounting
