@@ -16,7 +16,6 @@ from conftest import assert_same_tensors, spread_weights_
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
 from turboquant_hf import format as fmt
 from turboquant_hf.checkpoint import CheckpointError
-from turboquant_hf.experts_layout import EXPERT_BLOCKS, ExpertsLayout, UnsupportedExperts, read_experts
 from turboquant_hf.modules import TurboQuantExperts
 from turboquant_hf.recipes import get_recipe
 
@@ -288,9 +287,17 @@ def llama4():
                                               num_experts_per_tok=1, interleave_moe_layer_step=1))
 
 
-TRANSPOSED = {"gpt_oss": (gpt_oss, ExpertsLayout(transposed=True, interleaved=True, bias=True, alpha=1.702, limit=7.0),
+# {kind: (builder, its experts' ExpertsLayout fields, activation)} (the layout module is imported where it is used, so
+# that tests/output_digest.py can import this file's builders against trees that predate it)
+TRANSPOSED = {"gpt_oss": (gpt_oss, dict(transposed=True, interleaved=True, bias=True, alpha=1.702, limit=7.0),
                           "clamped_swiglu"),
-              "llama4": (llama4, ExpertsLayout(transposed=True, inputs=EXPERT_BLOCKS, top_k=1), "silu")}
+              "llama4": (llama4, dict(transposed=True, inputs="expert_blocks", top_k=1), "silu")}
+
+
+def _layout(kind: str):
+    from turboquant_hf.experts_layout import ExpertsLayout
+
+    return ExpertsLayout(**TRANSPOSED[kind][1])
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +341,7 @@ def test_transposed_experts_quantize_save_reload_dequantize(transposed_checkpoin
     generating; `dequantize()` gives back transformers' own module class and parameter layout (transposition,
     interleave, biases), whose float forward matches the quantized model's logits within float32 rounding."""
     src = transposed_checkpoints[kind]
-    _, layout, activation = TRANSPOSED[kind]
+    layout, activation = _layout(kind), TRANSPOSED[kind][2]
     base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     q = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                              quantization_config=TurboQuantConfig(bits=3, group_size=64))
@@ -459,6 +466,8 @@ def test_expert_op_layouts_match_dense_reference(interleaved, bias, clamped):
     (index -1 or E) add nothing, not even a bias."""
     torch.manual_seed(0)
     t = 7
+    from turboquant_hf.experts_layout import ExpertsLayout
+
     layout = ExpertsLayout(interleaved=interleaved, bias=bias, alpha=1.5, limit=0.8)
     m = TurboQuantExperts(E, H, I, 3, 4, 64, "clamped_swiglu" if clamped else "silu", layout=layout)
     m.gate_up_proj.load_packed_(*codec.quantize_weight(torch.randn(E, 2 * I, H) * 0.2, 3, 64))
@@ -485,6 +494,8 @@ def test_llama4_expert_blocks_match_transformers_and_skip_unrouted_experts():
     norms poisoned), and their output rows are zero."""
     from transformers.models.llama4 import Llama4TextConfig
     from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    from turboquant_hf.experts_layout import EXPERT_BLOCKS, ExpertsLayout
 
     torch.manual_seed(0)
     t, k = 5, 2
@@ -522,8 +533,10 @@ def _gpt_oss_experts():
 
 def test_unsupported_expert_forms_are_named():
     """`read_experts` reads gpt-oss's and Llama 4's forms, and names the reason for each form it does not compute."""
-    assert read_experts(_gpt_oss_experts(), "silu").layout == TRANSPOSED["gpt_oss"][1]
-    assert read_experts(llama4().model.layers[0].feed_forward.experts, "silu", 1).layout == TRANSPOSED["llama4"][1]
+    from turboquant_hf.experts_layout import UnsupportedExperts, read_experts
+
+    assert read_experts(_gpt_oss_experts(), "silu").layout == _layout("gpt_oss")
+    assert read_experts(llama4().model.layers[0].feed_forward.experts, "silu", 1).layout == _layout("llama4")
 
     def refused(change, match):
         m = _gpt_oss_experts()
