@@ -562,8 +562,12 @@ def test_unsupported_expert_forms_are_named():
         def forward(self, hidden_states, gammas):
             return hidden_states
 
-    with pytest.raises(UnsupportedExperts, match="forward takes 2 arguments"):
+    with pytest.raises(UnsupportedExperts, match=r"forward takes \(hidden_states, gammas\): neither routed"):
         read_experts(TwoArguments(), "silu")
+    no_forward = TwoArguments()
+    type(no_forward).forward = torch.nn.Module.forward  # (nn.Module's own: *input, nothing to tell)
+    with pytest.raises(UnsupportedExperts, match=r"forward takes \(\*input\)"):
+        read_experts(no_forward, "silu")
 
 
 def test_unsupported_experts_stay_in_full_precision_with_the_reason(transposed_checkpoints, caplog, monkeypatch,

@@ -144,10 +144,12 @@ def read_experts(module, activation: str, top_k: int = 0) -> ExpertsForm:
     if decorated:
         inputs = ROUTED
     else:
-        n_args = len(inspect.signature(type(module).forward).parameters) - 1
-        if n_args not in (1, 3):
-            raise UnsupportedExperts(f"its forward takes {n_args} arguments: neither routed tokens (hidden states, "
-                                     "top-k indices, top-k weights) nor expert blocks (hidden states)")
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+        n_args = len(params)
+        if n_args not in (1, 3) or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            names = ", ".join({p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name for p in params)
+            raise UnsupportedExperts(f"its forward takes ({names}): neither routed tokens "
+                                     "(hidden states, top-k indices, top-k weights) nor expert blocks (hidden states)")
         inputs = ROUTED if n_args == 3 else EXPERT_BLOCKS
         if inputs == EXPERT_BLOCKS and bias:
             raise UnsupportedExperts("it takes expert blocks and has biases")

@@ -418,9 +418,10 @@ class TurboQuantExperts(nn.Module):
 
     def _expert_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Llama 4's convention (`EXPERT_BLOCKS`): `(E*T, H)` rows, expert e's block of T rows holding the tokens it
-        receives (zero rows where the router did not pick it) -> each row's expert output. The nonzero rows
-        (each token's first `layout.top_k`) are gathered into routed pairs, one row each, for the routed op; rows
-        not computed are zero, as the expert's output for a zero row is (no biases). No host synchronisation."""
+        receives (zero rows where the router did not pick it) -> each row's expert output. Each token's nonzero rows
+        (at most `layout.top_k`: Llama 4's router gives a token `num_experts_per_tok` nonzero scores) are gathered
+        into routed pairs, one row each, for the routed op; rows not computed are zero, as the expert's output for a
+        zero row is (no biases). No host synchronisation."""
         e = self.num_experts
         rows, h = hidden_states.shape
         if rows % e:
