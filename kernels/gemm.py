@@ -141,46 +141,24 @@ def _lane_values(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.const
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_om, SPLIT,
-                 NG: tl.constexpr, KSTEPS: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr, GROUP: tl.constexpr,
-                 RUNTIME_LAYOUT: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr, LANES: tl.constexpr = 0,
-                 WARPS: tl.constexpr = 4, LANES_FIRST: tl.constexpr = 1):
-    """`out[M, N] = x[M, NG*G] @ W^T`, W the packed weight (see the module docstring). Grid: (tiles, SPLIT), the
-    tiles in groups of GROUP activation-row tiles per weight-row tile (neighbouring programs share weight tiles
-    in L2); program k of a tile takes blocks k KSTEPS .. (k + 1) KSTEPS - 1 (SPLIT KSTEPS = the row's blocks). Rows
-    past M and N read row M-1 / N-1 (not stored).
-
-    LANES (with SWAP; BN a multiple of 16 WARPS, WARPS = num_warps): the weight tile is loaded as a 6-D tile --
-    four lanes t over the units of a row (lanes 1 and 2 swapped, so that no lane's words continue its neighbour's
-    and the load is not vectorized across lanes), eight lanes l and the warps w over rows, registers h, a over
-    rows and r over a lane's units -- and decoded with `_lane_values` straight into wgmma's register-operand
-    layout; the activations must be in the lane order (`rotate(..., lane_unit=PER)`). The axes are (t, l, w, h,
-    a, r) with LANES_FIRST (a Triton whose coalescing orders a load's non-contiguous axes ascending, before
-    3.7), else (h, a, w, l, t, r): either way the coalesced load puts the lanes on t and l and the warps on w
-    (`linear._lanes_first`)."""
+def _tile_acc(x_ptr, xsrc, stride_xm, pk_ptr, nrm_ptr, wbase, n0, N, b0, t0, t1, t2, t3, t4, t5, t6, t7,
+              NG: tl.constexpr, KSTEPS: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
+              F16: tl.constexpr, USE_ASM: tl.constexpr, LANES: tl.constexpr, WARPS: tl.constexpr,
+              LANES_FIRST: tl.constexpr):
+    """The float32 product of activation rows `xsrc` (`[BM]` row numbers of x) with weight rows `wbase + n0 ...
+    wbase + n0 + BN - 1` (clamped to `wbase + N - 1`) over blocks b0 ... b0 + KSTEPS - 1 of BK inputs: `[BN, BM]`
+    with SWAP, else `[BM, BN]` (see `_gemm_kernel` for SWAP and LANES)."""
     PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     UPB: tl.constexpr = BK // PER
     NUT: tl.constexpr = NG * (G // PER)
     BPG: tl.constexpr = G // BK  # blocks a group
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    width = GROUP * grid_n
-    first_m = (pid // width) * GROUP
-    gsize = tl.minimum(grid_m - first_m, GROUP)
-    pid_m = first_m + (pid % width) % gsize
-    pid_n = (pid % width) // gsize
-    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2 if F16 else 1)
-    rn = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
-    rm = tl.minimum(pid_m * BM + tl.arange(0, BM), M - 1)
+    rn = wbase + tl.minimum(n0 + tl.arange(0, BN), N - 1)
     ub = tl.arange(0, UPB)[None, :]
     kk = tl.arange(0, BK)[None, :]
-    xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk
+    xrow = x_ptr + xsrc[:, None] * stride_xm + kk
     nrow = nrm_ptr + rn * NG
-    b0 = pid_k * KSTEPS
     if LANES:
         R: tl.constexpr = UPB // 4
         A: tl.constexpr = BN // (16 * WARPS)
@@ -197,7 +175,7 @@ def _gemm_kernel(x_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
         lw = tl.arange(0, WARPS)[None, None, :, None, None, None]
         lr = tl.arange(0, R)[None, None, None, None, None, :]
         ub6 = ((lt & 1) * 2 + (lt >> 1)) * R + lr
-        rn6 = tl.minimum(pid_n * BN + 16 * (lw + WARPS * la) + 8 * lh + ll, N - 1)
+        rn6 = wbase + tl.minimum(n0 + 16 * (lw + WARPS * la) + 8 * lh + ll, N - 1)
     if SWAP:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
     else:
@@ -221,6 +199,42 @@ def _gemm_kernel(x_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
             acc = tl.dot(w, tl.trans(xt), acc)
         else:
             acc = tl.dot(xt, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_om, SPLIT,
+                 NG: tl.constexpr, KSTEPS: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr, GROUP: tl.constexpr,
+                 RUNTIME_LAYOUT: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr, LANES: tl.constexpr = 0,
+                 WARPS: tl.constexpr = 4, LANES_FIRST: tl.constexpr = 1):
+    """`out[M, N] = x[M, NG*G] @ W^T`, W the packed weight (see the module docstring). Grid: (tiles, SPLIT), the
+    tiles in groups of GROUP activation-row tiles per weight-row tile (neighbouring programs share weight tiles
+    in L2); program k of a tile takes blocks k KSTEPS .. (k + 1) KSTEPS - 1 (SPLIT KSTEPS = the row's blocks). Rows
+    past M and N read row M-1 / N-1 (not stored).
+
+    LANES (with SWAP; BN a multiple of 16 WARPS, WARPS = num_warps): the weight tile is loaded as a 6-D tile --
+    four lanes t over the units of a row (lanes 1 and 2 swapped, so that no lane's words continue its neighbour's
+    and the load is not vectorized across lanes), eight lanes l and the warps w over rows, registers h, a over
+    rows and r over a lane's units -- and decoded with `_lane_values` straight into wgmma's register-operand
+    layout; the activations must be in the lane order (`rotate(..., lane_unit=PER)`). The axes are (t, l, w, h,
+    a, r) with LANES_FIRST (a Triton whose coalescing orders a load's non-contiguous axes ascending, before
+    3.7), else (h, a, w, l, t, r): either way the coalesced load puts the lanes on t and l and the warps on w
+    (`linear._lanes_first`)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    width = GROUP * grid_n
+    first_m = (pid // width) * GROUP
+    gsize = tl.minimum(grid_m - first_m, GROUP)
+    pid_m = first_m + (pid % width) % gsize
+    pid_n = (pid % width) // gsize
+    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2 if F16 else 1)
+    rm = tl.minimum(pid_m * BM + tl.arange(0, BM), M - 1).to(tl.int64)
+    acc = _tile_acc(x_ptr, rm, stride_xm, pk_ptr, nrm_ptr, 0, pid_n * BN, N, pid_k * KSTEPS,
+                    t0, t1, t2, t3, t4, t5, t6, t7, NG, KSTEPS, NLEV, G, BK, BM, BN, SWAP, RUNTIME_LAYOUT, F16,
+                    USE_ASM, LANES, WARPS, LANES_FIRST)
     if SWAP:
         acc = tl.trans(acc)
     om = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -242,6 +256,49 @@ def _gemm_kernel(x_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
                 s += 1
             tl.store(out_ptr + om[:, None] * stride_om + on[None, :], tot.to(out_ptr.dtype.element_ty), mask=omask)
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed")
+
+
+@triton.jit
+def _routed_gemm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, stride_xm, stride_om,
+                        E: tl.constexpr, EP: tl.constexpr, NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr,
+                        BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
+                        RUNTIME_LAYOUT: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr, GATHER: tl.constexpr,
+                        LANES: tl.constexpr = 0, WARPS: tl.constexpr = 4, LANES_FIRST: tl.constexpr = 1):
+    """Rows grouped by expert (group e ends at `offs[e]`) times their experts' packed matrices (E stacked `[N,
+    NG*G]` weights): `out[r] = x[src(r)] @ W_e(r)^T`, the tiles as `_gemm_kernel`'s (`_tile_acc`).
+
+    Program (b, j): block b of BM rows inside one expert's group (the block's expert is found from the group
+    sizes, so the grid is a bound known without the counts: blocks past the last group return at once), weight
+    rows j*BN ... of that expert. GATHER: row r reads x row `xrow[r]` (the routed pairs' tokens), else row r."""
+    b = tl.program_id(0)
+    ee = tl.arange(0, EP)
+    ends = tl.load(offs_ptr + ee, mask=ee < E, other=0)
+    starts = tl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
+    blocks = (tl.maximum(ends - starts, 0) + BM - 1) // BM
+    last = tl.cumsum(blocks, 0)  # (blocks of groups 0..e)
+    ex = tl.sum((last <= b).to(tl.int32), 0)
+    if ex >= E:
+        return
+    pick = ee == ex
+    row0 = tl.sum(tl.where(pick, starts + (b - (last - blocks)) * BM, 0), 0)
+    end = tl.sum(tl.where(pick, ends, 0), 0)
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < end
+    rows = tl.minimum(rows, end - 1)
+    if GATHER:
+        src = tl.load(xrow_ptr + rows).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    n0 = tl.program_id(1) * BN
+    t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2 if F16 else 1)
+    acc = _tile_acc(x_ptr, src, stride_xm, pk_ptr, nrm_ptr, ex.to(tl.int64) * N, n0, N, 0,
+                    t0, t1, t2, t3, t4, t5, t6, t7, NG, NG * G // BK, NLEV, G, BK, BM, BN, SWAP, RUNTIME_LAYOUT,
+                    F16, USE_ASM, LANES, WARPS, LANES_FIRST)
+    if SWAP:
+        acc = tl.trans(acc)
+    on = n0 + tl.arange(0, BN)
+    optr = out_ptr + rows.to(tl.int64)[:, None] * stride_om + on[None, :]
+    tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (on < N)[None, :])
 
 
 # ---------------------------------------------------------------------------
@@ -337,6 +394,67 @@ def gemm(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeboo
            out.stride(0), split, NG=ng, KSTEPS=ng * group_size // bk // split, NLEV=n_levels, G=group_size,
            BK=bk, BM=bm, BN=bn, SWAP=bool(swap),
            GROUP=group, RUNTIME_LAYOUT=runtime_layout, F16=f16, USE_ASM=use_asm, LANES=bool(lanes), WARPS=warps,
+           LANES_FIRST=triton_version() < (3, 7) if lanes_first is None else bool(lanes_first), num_warps=warps,
+           num_stages=stages)
+    return out
+
+
+def routed_config(pairs: int, experts: int, n: int, n_levels: int, group_size: int) -> tuple:
+    """(BM, BN, BK, SWAP, LANES, num_warps, num_stages) of `routed_gemm` for `pairs` rows over `experts` groups:
+    blocks of twice the mean group size rounded up to a power of two, 16 to 128 rows (a group seldom spans two
+    blocks, so each routed expert's tiles are decoded about once), the weight on the left."""
+    mean = max(1, -(-pairs // experts))
+    bm = 16
+    while bm < 128 and bm < 2 * mean:
+        bm *= 2
+    bn, warps = (64, 4) if bm <= 32 or n <= 1024 else (128, 4 if bm <= 64 else 8)
+    bk = min(group_size, 128)
+    lanes = bn % (16 * warps) == 0 and bk % (4 * lane_unit(n_levels)) == 0
+    return bm, bn, bk, True, lanes, warps, 3
+
+
+def routed_gemm(x_rot: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor,
+                codebook: torch.Tensor, group_size: int, num_experts: int, out_dtype: torch.dtype,
+                xrow: torch.Tensor | None = None, config=None, runtime_layout: bool = True, use_asm: bool = True,
+                lanes_first: bool | None = None) -> torch.Tensor:
+    """Rows grouped by expert times their experts' packed matrices on the tensor cores (no scratch buffer, no
+    host synchronisation): `(P, rows per expert)` in `out_dtype`.
+
+    `x_rot`: rotated activations `(T, n_groups*G)` (16-bit; float32 in the interpreter), in the lane order when
+    the configuration has LANES (`linear.rotate(..., lane_unit=lane_unit(levels), lane_block=BK)`); `xrow` (int32
+    `(P,)`): row r reads x row `xrow[r]` (default: row r, and then P = T); `offs` (int32 `(E,)`): the groups'
+    end offsets, rows `offs[e-1] ... offs[e]` belong to expert e (rows past `offs[-1]` are not written).
+    `packed`/`norms`: E stacked matrices. `config`: as `routed_config` returns it."""
+    rows, ng = norms.shape
+    n = rows // num_experts
+    p = xrow.numel() if xrow is not None else x_rot.shape[0]
+    n_levels = codebook.numel()
+    if not serves(n_levels, group_size):
+        raise ValueError(f"the packed-weight GEMM serves 4-, 8- and 16-entry codebooks at G = 64 or a multiple of "
+                         f"128, not {n_levels} entries at G = {group_size}")
+    if x_rot.shape[1] != ng * group_size:
+        raise ValueError(f"activations of width {x_rot.shape[1]} for a weight of {ng} groups of {group_size}")
+    out = torch.empty(p, n, dtype=out_dtype, device=x_rot.device)
+    if p == 0 or n == 0:
+        return out
+    bm, bn, bk, swap, lanes, warps, stages = config or routed_config(p, num_experts, n, n_levels, group_size)
+    if lanes and (not swap or bn % (16 * warps) or bk % (4 * lane_unit(n_levels))):
+        raise ValueError(f"the lane order needs SWAP, BN a multiple of 16 warps and BK of 4 units, not "
+                         f"{(bm, bn, bk, swap, lanes, warps, stages)}")
+    if x_rot.stride(-1) != 1:
+        x_rot = x_rot.contiguous()
+    f16 = (x_rot.dtype if x_rot.dtype != torch.float32 else out_dtype) == torch.float16
+    flat = packed.reshape(-1)
+    if packed.dtype != torch.int32:
+        flat = flat.view(torch.int32)
+    ep = 1
+    while ep < num_experts:
+        ep *= 2
+    grid = (min(num_experts, p) + p // bm, cdiv(n, bn))
+    launch(_routed_gemm_kernel, grid, x_rot, xrow if xrow is not None else offs, offs, flat, norms.contiguous(),
+           codebook, out, n, x_rot.stride(0), out.stride(0), E=num_experts, EP=ep, NG=ng, NLEV=n_levels,
+           G=group_size, BK=bk, BM=bm, BN=bn, SWAP=bool(swap), RUNTIME_LAYOUT=runtime_layout, F16=f16,
+           USE_ASM=use_asm, GATHER=xrow is not None, LANES=bool(lanes), WARPS=warps,
            LANES_FIRST=triton_version() < (3, 7) if lanes_first is None else bool(lanes_first), num_warps=warps,
            num_stages=stages)
     return out

@@ -120,7 +120,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
                NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
                LANE_KB=lkb, LANE_PER=lper, num_warps=warps)
         return (out.view(torch.int32), xs) if pairs else out
-    bm = 64 if m > 16 and x2.dtype != torch.float32 else 16
+    bm = tuning.ROTATE_BM or (64 if m > 16 and x2.dtype != torch.float32 else 16)
     exact16 = x2.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     bc = min(g, 64 if exact16 else 32)
     grid = (cdiv(m, bm), ng, g // bc)

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemm
 from . import linear as L
 from . import tuning as T
 from .launch import cdiv, launch, next_power_of_2
@@ -449,6 +450,10 @@ def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb
     the device (`_device_routing`), the gate/up product reading each pair's token row directly (`routed_lut_mm`),
     `act_mul`, the intermediate rows rotated, the down product, `combine`. No host synchronisation, no scratch
     buffer; only the routed experts' weights are read (a block of rows of one expert at a time)."""
+    if top_k_index.numel() >= T.GEMM_MIN_M and _routed_gemm_serves(gu_packed, gu_cb, g) and \
+            _routed_gemm_serves(d_packed, d_cb, g):
+        return _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb,
+                            s1, s2, g, e, activation, inter)
     wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
     x = L.rotate(hidden, s1, s2, g, wdt)
     tok, pos, _, offs = _device_routing(top_k_index, e)
@@ -458,6 +463,36 @@ def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb
     del gu
     y = routed_lut_mm(mid, offs, d_packed, d_norms, d_cb, g, e, wdt)
     return combine(y, pos, top_k_weights, hidden.dtype, epi.down_bias, top_k_index)
+
+
+def _routed_gemm_serves(packed: torch.Tensor, codebook: torch.Tensor, g: int) -> bool:
+    """Whether `gemm.routed_gemm` serves these experts (as `linear.path` decides for the dense GEMM)."""
+    nl = codebook.numel()
+    return gemm.serves(nl, g) and (packed.dtype == torch.int32 or nl != 16)
+
+
+def _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2, g,
+                 e, activation, inter):
+    """`_fused_routed` with both grouped products on the packed-weight GEMM (`gemm.routed_gemm`): the tokens and
+    then the intermediate rows rotated into the GEMM's lane order where its configuration takes it."""
+    interp = L._interpreting()  # (the interpreter runs the GEMM in float32)
+    wdt = torch.float32 if interp else hidden.dtype
+    tok, pos, _, offs = _device_routing(top_k_index, e)
+    p, h = tok.numel(), hidden.shape[1]
+
+    def product(x, packed, norms, codebook, n, xrow):
+        nl = codebook.numel()
+        runtime = packed.dtype == torch.int32
+        bm, bn, bk, swap, lanes, warps, stages = gemm.routed_config(p, e, n, nl, g)
+        lanes = lanes and runtime
+        x_rot = L.rotate(x, s1, s2, g, wdt, lane_unit=gemm.lane_unit(nl) if lanes else 0, lane_block=bk)
+        return gemm.routed_gemm(x_rot, offs, packed, norms, L._f32(codebook), g, e, wdt, xrow=xrow,
+                                config=(bm, bn, bk, swap, lanes, warps, stages), runtime_layout=runtime,
+                                use_asm=not interp, lanes_first=L._lanes_first())
+
+    gu = product(hidden, gu_packed, gu_norms, gu_cb, 2 * inter, tok)
+    y = product(act_mul(gu, inter, activation, wdt), d_packed, d_norms, d_cb, h, None)
+    return combine(y, pos, top_k_weights, hidden.dtype)
 
 
 def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):

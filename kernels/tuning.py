@@ -27,6 +27,8 @@ MID_MAX_M = 64
 # output bit for bit) rather than the tensor-core one. ROWS_CONFIG, when set, overrides `_rows_config`.
 ROWS_MAX_M = 16
 ROWS_CONFIG = None
+# Rows a program of the tensor-core rotation above ROWS_MAX_M (0: 64 for 16-bit activations, else 16).
+ROTATE_BM = 0
 
 # Which index numbers j of a unit are looked up with a load from the codebook (bit j set) rather
 # than a tree of selects: the mix that balances the load/store and integer pipes (the codebook
@@ -72,15 +74,16 @@ PREFILL_ROTATED_BASIS = True
 FUSED_MAX_PAIRS = 1 << 62
 
 
-# Packed-weight GEMM (`gemm.gemm`): the smallest M it serves (16-bit activations; the GEMVs below it). Off unless
-# `TURBOQUANT_GEMM_MIN_M` says otherwise: its table below has not been timed on a GPU (benchmarks/GEMM.md).
+# Packed-weight GEMM (`gemm.gemm`, and `gemm.routed_gemm` for the MoE grouped products): the smallest M it serves
+# (16-bit activations). Off unless `TURBOQUANT_GEMM_MIN_M` says otherwise: the other routes are as fast or faster
+# at every M on an H100 (benchmarks/GEMM.md). The table: the best configuration a bucket on that machine.
 GEMM_MIN_M = settings.gemm_min_m()
 # (largest M, (BM, BN, SWAP, LANES, GROUP, num_warps, num_stages)) by bucket of M, the last bucket for any larger M.
 GEMM_CONFIGS = (
-    (32, (32, 64, True, True, 1, 4, 3)),
-    (64, (64, 64, True, True, 1, 4, 3)),
-    (128, (128, 128, True, True, 4, 8, 3)),
-    (1 << 62, (128, 128, True, True, 8, 8, 3)),
+    (16, (16, 64, True, False, 1, 4, 3)),
+    (64, (64, 128, True, False, 1, 4, 3)),
+    (256, (128, 64, True, True, 4, 4, 3)),
+    (1 << 62, (256, 128, True, True, 8, 8, 2)),
 )
 # Largest split-K, the multiprocessors whose count the split aims to fill twice, and the per-tile counters kept
 # (tiles past it run without split-K).

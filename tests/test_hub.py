@@ -344,8 +344,11 @@ def test_save_pretrained_push_to_hub_keeps_our_card(hub_in_process, tiny_llama_d
 
 
 def test_tq_config_only_repo_loads_by_id(hub_in_process, hub_env, tiny_llama_dir, tmp_path):
-    """A Hub repo in the published form (tq_config.json, no quantization_config in config.json) loads by repo id
-    with no arguments in a fresh process, through from_pretrained and pipeline, to the saved model's logits."""
+    """A Hub repo in the published form (tq_config.json, no quantization_config in config.json), loaded by repo id
+    in a fresh process with an empty cache: configs are read without asking the Hub for tq_config.json, so the
+    first load finds TurboQuant tensors it has no quantizer for and is refused, naming the fix; tq_config.json is
+    fetched then, once, after the weights. Loading again with no arguments (from_pretrained and pipeline) gives the
+    saved model's logits."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -363,18 +366,66 @@ def test_tq_config_only_repo_loads_by_id(hub_in_process, hub_env, tiny_llama_dir
     ids = [[1, 5, 9, 17, 33, 65, 129, 200, 7, 3]]
     with torch.no_grad():
         save_file({"logits": model(torch.tensor(ids)).logits.contiguous()}, str(tmp_path / "expected.safetensors"))
-    api = _api(hub_in_process)
+    hub = hub_in_process
+    api = _api(hub)
     api.create_repo("tester/published-form", exist_ok=True)
     api.upload_folder(folder_path=str(folder), repo_id="tester/published-form")
+    (tmp_path / "cache").mkdir()
+    start = len(hub.log)
     out = run_python(f"""
         import torch, turboquant_hf
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM, pipeline
+        from turboquant_hf.checkpoint import CheckpointError
         expected = load_file({str(tmp_path / "expected.safetensors")!r})["logits"]
+        try:
+            AutoModelForCausalLM.from_pretrained("tester/published-form")
+        except CheckpointError as e:
+            print("REFUSED", str(e).replace(chr(10), " "))
+        else:
+            raise SystemExit("the first load was not refused")
         for model in (AutoModelForCausalLM.from_pretrained("tester/published-form"),
                       pipeline("text-generation", model="tester/published-form").model):
             with torch.no_grad():
                 assert torch.equal(model(torch.tensor({ids})).logits, expected)
-            print(type(model.model.layers[0].mlp.down_proj).__name__)
-    """, hub_env)
-    assert out.split() == ["TurboQuantLinear", "TurboQuantLinear"]
+            print("LOADED", type(model.model.layers[0].mlp.down_proj).__name__)
+    """, dict(hub_env, HF_HUB_CACHE=str(tmp_path / "cache")))
+    refused, *loaded = out.strip().splitlines()
+    assert refused.startswith("REFUSED") and "loading 'tester/published-form' again works as it is" in refused
+    assert "quantization_config=TurboQuantConfig(bits=3, group_size=128)" in refused
+    assert loaded == ["LOADED TurboQuantLinear", "LOADED TurboQuantLinear"]
+    paths = [path for _, path, _ in hub.log[start:]]
+    asked = [i for i, path in enumerate(paths) if path.endswith("/tq_config.json")]
+    weights = min(i for i, path in enumerate(paths) if path.endswith("/model.safetensors"))
+    assert len([i for i in asked if hub.log[start + i][0] == "GET"]) == 1 and min(asked) > weights, paths
+
+
+def test_plain_model_by_hub_id_costs_no_request_more(hub_in_process, hub_env, tiny_llama_dir, tmp_path):
+    """A model that is not TurboQuant, loaded by Hub id (AutoConfig, AutoModelForCausalLM, the model's own class,
+    pipeline) in a fresh process with an empty cache, makes the same requests to the Hub with turboquant_hf
+    imported as transformers alone makes: no tq_config.json lookup, nothing else more."""
+    hub = hub_in_process
+    api = _api(hub)
+    api.create_repo("tester/plain-llama", exist_ok=True)
+    api.upload_folder(folder_path=str(tiny_llama_dir), repo_id="tester/plain-llama")
+    code = """
+        import sys
+        {imports}
+        from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, pipeline
+        AutoConfig.from_pretrained("tester/plain-llama")
+        AutoModelForCausalLM.from_pretrained("tester/plain-llama")
+        LlamaForCausalLM.from_pretrained("tester/plain-llama")
+        pipeline("text-generation", model="tester/plain-llama")
+        print("turboquant_hf" in sys.modules)
+    """
+    requests = {}
+    for imported in (False, True):
+        cache = tmp_path / f"cache-{imported}"
+        cache.mkdir()
+        start = len(hub.log)
+        out = run_python(code.format(imports="import turboquant_hf" if imported else ""),
+                         dict(hub_env, HF_HUB_CACHE=str(cache), TURBOQUANT_AUTOLOAD="0"))
+        assert out.split() == [str(imported)]
+        requests[imported] = sorted((method, path) for method, path, _ in hub.log[start:])
+    assert requests[False] and not any("tq_config" in path for _, path in requests[True])
+    assert requests[True] == requests[False]

@@ -738,6 +738,7 @@ def M(L):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.L = L
+    mod.gemm = L.gemm
     return mod
 
 
@@ -765,10 +766,15 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime, monkeypatch):
     # the prefill paths: the fused routed products, then decoded into the scratch buffer in chunks, then every
     # expert at once (routing on the device), rotated basis or not
     fused = 1 << 62
-    settings = [(None, True, fused), (chunked, True, fused), (chunked, True, 0), (1 << 30, True, 0)] + (
-        [(1 << 30, False, 0)] if bits == 3 else [])
-    for scratch, rotated, fused_max in settings:
+    settings = [(None, True, fused, False), (chunked, True, fused, True), (chunked, True, fused, False),
+                (chunked, True, 0, False), (1 << 30, True, 0, False)] + (
+        [(1 << 30, False, 0, False)] if bits == 3 else [])
+    routed_gemm = L.gemm.routed_gemm
+    for scratch, rotated, fused_max, on_gemm in settings:
         t = 2 if scratch is None else 4
+        monkeypatch.setattr(T, "GEMM_MIN_M", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
+        gemms = []
+        monkeypatch.setattr(L.gemm, "routed_gemm", lambda *a, **kw: gemms.append(1) or routed_gemm(*a, **kw))
         monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch or chunked)
         monkeypatch.setattr(T, "PREFILL_ROTATED_BASIS", rotated)
         monkeypatch.setattr(T, "FUSED_MAX_PAIRS", fused_max)
@@ -781,7 +787,8 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime, monkeypatch):
         ref = ops.turboquant_moe_experts(hidden.float(), *args[1:])
         y = M.moe_experts(hidden, top_k_index, top_k_weights, gu_k, gu_n, cb_k, d_k, d_n, cb_k, s1, s2, g, e, "silu")
         assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
-        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, _rel(y, ref))
+        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, on_gemm, _rel(y, ref))
+        assert len(gemms) == (2 if on_gemm and runtime else 0)  # (the GEMM serves the runtime layout)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, fmt.TERNARY])
@@ -1235,6 +1242,46 @@ def test_gemm_matches_reference(L, bits, g):
     with pytest.raises(ValueError, match="split"):
         gm.gemm(nat, layouts[0][0], norms, layouts[0][1], g, torch.float32, config=(16, 32, bk, 3, True, False, 1, 2, 1),
                 use_asm=False)
+
+
+@pytest.mark.parametrize("bits,g", [(3, 128), (2, 64), (4, 128), (fmt.TERNARY, 128)])
+def test_routed_gemm_matches_reference(L, bits, g):
+    """The routed packed-weight GEMM (`gemm.routed_gemm`, the MoE prefill's grouped products on the tensor cores)
+    against float64 products of each expert's rotated-basis weight: rows gathered from the tokens or read in
+    order, groups of uneven sizes with empty experts, weight rows not a multiple of the tile, the weight on the
+    left with and without the lane order (both axis orders) and on the right; fewer rows than experts."""
+    gm = L.gemm
+    e, n, k = 4, 40, 256
+    packed, norms, cb, _, _ = _weight(e * n, k, bits, g, seed=90 + g + int(bits * 10))
+    ng = norms.shape[1]
+    rot = codec.rotated_weight(packed, norms, cb, g).double().view(e, n, ng * g)
+    nl = cb.numel()
+    pk = layout.to_runtime(packed, 3 if nl == 3 else nl, g, ng)
+    kcb = layout.pairs_codebook(cb) if nl == 3 else layout.runtime_codebook(cb)
+    bk = min(g, 128)
+    unit = gm.lane_unit(kcb.numel())
+    gen = torch.Generator().manual_seed(g + nl)
+    x = torch.randn(9, ng * g, generator=gen)
+    configs = [((16, 32, bk, True, False, 2, 1), None), ((32, 16, bk, False, False, 1, 1), None)]
+    if bk % (4 * unit) == 0:
+        configs += [((16, 32, bk, True, True, 2, 1), True), ((16, 32, bk, True, True, 2, 1), False)]
+    for sizes in ([7, 0, 19, 5], [0, 2, 0, 1]):
+        p = sum(sizes)
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        xrow = torch.randint(0, 9, (p,), generator=gen, dtype=torch.int32)
+        want = torch.cat([x[xrow[s:s + c].long()].double() @ rot[ex].T
+                          for ex, (s, c) in enumerate(zip((offs - torch.tensor(sizes)).tolist(), sizes))])
+        for i, (cfg, lanes_first) in enumerate(configs if sizes[0] else configs[:1]):
+            xs = _lane_order_by_hand(x, unit, bk) if cfg[4] else x
+            y = gm.routed_gemm(xs, offs, pk, norms, kcb, g, e, torch.float32, xrow=xrow, config=cfg, use_asm=False,
+                               lanes_first=lanes_first)
+            assert y.shape == (p, n) and 1e-6 < _rel(y, want) < 4e-3, (sizes, cfg, lanes_first, _rel(y, want))
+            if i == 0:  # rows read in order
+                y_direct = gm.routed_gemm(xs[xrow.long()], offs, pk, norms, kcb, g, e, torch.float32, config=cfg,
+                                          use_asm=False, lanes_first=lanes_first)
+                assert torch.equal(y, y_direct)
+    with pytest.raises(ValueError, match="width"):
+        gm.routed_gemm(x[:, :g], offs, pk, norms, kcb, g, e, torch.float32, use_asm=False)
 
 
 def test_gemm_dispatch_table(L, monkeypatch):

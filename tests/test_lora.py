@@ -61,6 +61,34 @@ def test_adapter_gradients_match_the_dequantized_model(base):
     assert grads and all("lora_" in n for n in grads)
 
 
+def test_plain_peft_recipe_names_the_fix_and_the_fix_trains(base, tiny_llama_dir):
+    """`peft.get_peft_model(model, LoraConfig(...))` (what TRL's SFTTrainer(peft_config=...) calls) on a TurboQuant
+    model: PEFT refuses the layer type, and its message names the one-line fix (PEFT offers no registry or hook
+    that would make the plain recipe work without changing PEFT). Applied to the same config object, the fix
+    gives adapter gradients equal to those on the dequantized model; `print(model)` is unchanged."""
+    config = dict(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    assert "turboquant_hf.lora" not in repr(base)
+    with pytest.raises(ValueError, match=r"(?s)Target module TurboQuantLinear\(.*is not supported") as refused:
+        peft.get_peft_model(base, peft.LoraConfig(**config))
+    assert "`turboquant_hf.lora.register(lora_config)` in place of the LoraConfig" in str(refused.value)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(bits=4),
+                                                 dtype=torch.float32)
+    plain = copy.deepcopy(fresh).dequantize(dtype=torch.float32)
+    lora_config = peft.LoraConfig(**config)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(fresh, lora.register(lora_config))  # the fix, as the message words it
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(plain, peft.LoraConfig(**config))
+    ids = _batch()
+    for m in (model, reference):
+        m(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    ref = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == ref.keys() and len(grads) == 2 * 3 * 2  # lora_A and lora_B, 3 targets, 2 layers
+    for n in grads:
+        assert ((grads[n] - ref[n]).norm() / ref[n].norm()).item() < GRAD_RTOL, n
+
+
 def test_train_save_reload_merge(base, tiny_llama_dir, tmp_path):
     import warnings
 

@@ -392,17 +392,27 @@ def test_missing_signs_or_scales_are_named(fixtures, tmp_path, part):
         AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_affine_mlx_checkpoint_is_refused(fixtures):
-    """A checkpoint quantized by MLX's own affine quantizer (mlx_lm convert -q) is named as such."""
+def _assert_left_to_transformers(directory):
+    """An MLX checkpoint that is not TurboQuant: its config reads as written (no block rewritten into this
+    package's), and transformers refuses to load it as it does without this package, before any weight is read."""
+    from transformers import AutoConfig
+
+    with open(os.path.join(directory, "config.json")) as f:
+        written = json.load(f)["quantization_config"]
+    assert AutoConfig.from_pretrained(directory).quantization_config == written
+    for kwargs in ({}, {"quantization_config": TurboQuantConfig()}):
+        with pytest.raises(ValueError, match="no `quant_method`"):
+            AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+
+
+def test_affine_mlx_checkpoint_is_left_to_transformers(fixtures):
+    """A checkpoint quantized by MLX's own affine quantizer (mlx_lm convert -q)."""
     d = fixtures.converted("llama", "mlx-affine",
                            converter=["-m", "mlx_lm.convert", "-q", "--q-bits", "4", "--q-group-size", "64"])
-    with pytest.raises(ValueError, match="MLX quantization mode 'affine'.*not TurboQuant"):
-        AutoModelForCausalLM.from_pretrained(d)
-    with pytest.raises(ValueError, match="MLX quantization mode 'affine'"):
-        AutoModelForCausalLM.from_pretrained(d, quantization_config=TurboQuantConfig())
+    _assert_left_to_transformers(d)
 
 
-def test_older_affine_block_without_mode_is_refused(fixtures, tmp_path):
+def test_older_affine_block_without_mode_is_left_to_transformers(fixtures, tmp_path):
     d = fixtures.converted("llama", "mlx-affine",
                            converter=["-m", "mlx_lm.convert", "-q", "--q-bits", "4", "--q-group-size", "64"])
 
@@ -410,8 +420,19 @@ def test_older_affine_block_without_mode_is_refused(fixtures, tmp_path):
         for block in ("quantization", "quantization_config"):
             config[block].pop("mode", None)
 
-    path = _copy_checkpoint(d, tmp_path / "old", edit_config=drop_mode)
-    with pytest.raises(ValueError, match="MLX quantization mode 'affine' \\(bits 4, group_size 64\\)"):
+    _assert_left_to_transformers(_copy_checkpoint(d, tmp_path / "old", edit_config=drop_mode))
+
+
+def test_turboquant_mlx_variant_this_version_cannot_load_is_named(fixtures, tmp_path):
+    """A turboquant-mlx checkpoint with QJL residual correction: its config is refused, saying why."""
+    d = fixtures.converted("llama", "tq3")
+
+    def qjl(config):
+        for block in ("quantization", "quantization_config"):
+            config[block]["use_qjl"] = True
+
+    path = _copy_checkpoint(d, tmp_path / "qjl", edit_config=qjl)
+    with pytest.raises(ValueError, match="uses QJL residual correction"):
         AutoModelForCausalLM.from_pretrained(path)
 
 

@@ -13,6 +13,14 @@ gradient flows through the base layer into earlier layers through `turboquant::l
     ...
     model = turboquant_hf.lora.load_adapter(base, "adapter")  # a saved adapter onto a TurboQuant base
 
+The plain recipe, `peft.get_peft_model(model, LoraConfig(...))` (what TRL's `SFTTrainer(peft_config=...)` calls),
+cannot work unchanged without changing PEFT: its dispatch takes layer types it does not know only from the config
+itself (`_register_custom_module`, per config object), and it has no registry or hook a package could fill once.
+Its refusal ("Target module ... is not supported") shows the layer as `str(layer)`, which names the fix
+(`TurboQuantLinear.__str__`): pass `turboquant_hf.lora.register(LoraConfig(...))` instead, to TRL as well.
+`target_modules="all-linear"` finds no TurboQuant layer (PEFT expands it to `nn.Linear` and `Conv1D` modules
+only): name the projections.
+
 DoRA (`LoraConfig(use_dora=True)`) works the same way: PEFT's DoRA layer, given the rebuilt base weight for its
 per-row norms. `merge_and_unload()` merges into a dequantized layer: the base weight is rebuilt from its packed
 form, the adapter's update added (and, for DoRA, each row rescaled to its learned magnitude), and the layer becomes

@@ -365,32 +365,6 @@ def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
         owner._buffers[attr] = new
 
 
-def accept_mlx_quantization_blocks() -> None:
-    """Let transformers read a turboquant-mlx config.json, whose `quantization_config` is MLX's block
-    (`{"mode": "turboquant", ...}`, no `quant_method`, which transformers otherwise rejects): such a block is
-    rewritten in place into this package's config, so `from_pretrained(mlx_dir)` needs no arguments. Other MLX
-    modes (affine, ...) get an error that says what they are."""
-    from transformers.quantizers.auto import AutoHfQuantizer
-
-    original = AutoHfQuantizer.supports_quant_method
-    if getattr(original, "_turboquant_mlx", False):
-        return
-
-    def supports_quant_method(quantization_config_dict):
-        # MLX's blocks: {"group_size", "bits"[, "mode"]} (no "mode" in older affine ones), never a quant_method
-        if isinstance(quantization_config_dict, dict) and "quant_method" not in quantization_config_dict \
-                and "group_size" in quantization_config_dict and "bits" in quantization_config_dict:
-            from .config import TurboQuantConfig
-
-            converted = TurboQuantConfig.from_mlx(quantization_config_dict).to_dict()
-            quantization_config_dict.clear()
-            quantization_config_dict.update(converted)
-        return original(quantization_config_dict)
-
-    supports_quant_method._turboquant_mlx = True
-    AutoHfQuantizer.supports_quant_method = staticmethod(supports_quant_method)
-
-
 def _native_group_size(group_size: int) -> int:
     return group_size if group_size in fmt.GROUP_SIZES else fmt.GROUP_SIZES[0]
 

@@ -318,6 +318,14 @@ class TurboQuantLinear(nn.Module):
             f"bits={self.bits}, group_size={self.group_size}"
         )
 
+    def __str__(self) -> str:
+        """The representation, and how to put LoRA adapters on this layer. PEFT's refusal of a target type it
+        does not know (what `peft.get_peft_model` raises, unless the LoRA config has this type registered) shows
+        the layer as `str(layer)`; PEFT has no registry or hook a package could fill for every config, and
+        `print(model)` shows each layer's `repr`, which stays as it is."""
+        return (f"{self!r} [LoRA on TurboQuant layers: `import turboquant_hf.lora` and pass "
+                "`turboquant_hf.lora.register(lora_config)` in place of the LoraConfig]")
+
 
 class TurboQuantExperts(nn.Module):
     """Routed MoE experts with TurboQuant-packed fused weights.

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
@@ -12,7 +10,7 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
-from . import mlx, planning, saving, settings, tensor_parallel
+from . import mlx, patches, planning, settings, tensor_parallel
 from .config import TurboQuantConfig
 from .fusion import fuse_projections
 from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight, to_norms_dtype
@@ -130,8 +128,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
         self.modules_to_not_convert = None
         plan.apply(model, awaiting_weights=not self.pre_quantized)
         if not self.pre_quantized:
-            _resolve_placeholders_while_loading(model)
-        tensor_parallel.route_parallel_plans(model)
+            patches.answer_placeholder_lookups(model)
+        _route_parallel_plans(model)
         model._turboquant_original_model = getattr(model.config, "_name_or_path", None)
 
     def _prepare_mlx_checkpoint(self, model) -> None:
@@ -156,7 +154,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | unexpected
         model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | missing
         self.mlx_layout = layout
-        tensor_parallel.route_parallel_plans(model)  # (whole-row rotations: refused by name under tp_plan)
+        _route_parallel_plans(model)  # (whole-row rotations: refused by name under tp_plan)
         model._turboquant_original_model = getattr(config, "_name_or_path", None)
 
     # -- during loading ------------------------------------------------------------------------------------------
@@ -208,7 +206,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
                         raise ckpt.CheckpointError(
                             f"{name}.{attr}: expected shape {shape}, got {got} on {t.device}"
                         )
-        model.__dict__.pop("get_parameter_or_buffer", None)
+        patches.end_placeholder_lookups(model)
         for module in model.modules():  # weights on a GPU: the kernels' runtime layout (`layout.wanted`)
             if isinstance(module, TurboQuantWeight):
                 module.use_runtime_layout_()
@@ -220,9 +218,8 @@ class TurboQuantHfQuantizer(HfQuantizer):
         _drop_expert_converters_for_saving(model)
         for p in model.parameters():
             p.requires_grad_(False)
-        saving.install_save_hooks(model)
-        tensor_parallel.refuse_saving_slices(model)
-        model.num_parameters = types.MethodType(_num_parameters, model)
+        sharded = bool(tensor_parallel.sharded_weights(model))
+        patches.patch_model(model, refuse_saving=tensor_parallel.refuse_saving_slices if sharded else None)
         return model
 
     def raise_conversion_failures(self) -> None:
@@ -270,7 +267,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         restore_plain_modules(model, dtype if isinstance(dtype, torch.dtype) else torch.float32)
-        saving.remove_save_hooks(model)
+        patches.unpatch_model(model)
         return model
 
     # -- saving --------------------------------------------------------------------------------------------------
@@ -327,6 +324,14 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
     config.calibrated_with = record
 
 
+def _route_parallel_plans(model) -> None:
+    """TurboQuant modules under the model's tp and expert plans, when a `distributed_config` puts them in use
+    (`tensor_parallel.route_parallel_plans`; the styles are wrapped by `patches.wrap_parallel_styles`)."""
+    styles = tensor_parallel.route_parallel_plans(model)
+    if styles:
+        patches.wrap_parallel_styles(styles)
+
+
 def disk_offloaded_modules(model) -> set[str]:
     """Names of the modules whose tensors accelerate offloads (`device_map` "disk", `offload_buffers=True`): their
     tensors stay on the meta device and its hooks bring them in for each forward."""
@@ -370,27 +375,6 @@ def _under(name: str, owners: set[str]) -> bool:
     return any(name == o or name.startswith(o + ".") or o == "" for o in owners)
 
 
-def _resolve_placeholders_while_loading(model) -> None:
-    """While quantizing on the fly, the state dict advertises each replaced tensor (`q_proj.weight`) as a meta
-    placeholder; transformers' loader also looks such names up (device-map sizing, allocator warm-up), so
-    answer those look-ups with the same placeholder until loading is over."""
-    original = model.get_parameter_or_buffer
-
-    def get_parameter_or_buffer(self, target: str):
-        try:
-            return original(target)
-        except AttributeError:
-            try:
-                sub = self.get_submodule(target)
-            except AttributeError:
-                sub = None
-            if isinstance(sub, TurboQuantWeight) and sub.awaiting_dtype is not None:
-                return torch.empty(sub.checkpoint_shape, dtype=sub.awaiting_dtype, device="meta")
-            raise
-
-    model.get_parameter_or_buffer = types.MethodType(get_parameter_or_buffer, model)
-
-
 def _drop_expert_converters_for_saving(model) -> None:
     """Packed experts are saved pre-fused, whatever the source layout: transformers must not split them back
     into per-expert tensors on save (its reverse converters would also match `...gate_up_proj.tq_packed`)."""
@@ -406,12 +390,3 @@ def _drop_expert_converters_for_saving(model) -> None:
         c for c in conversions
         if not (isinstance(c, WeightConverter) and any("experts" in str(t) for t in c.target_patterns))
     ]
-
-
-def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-    """transformers' count, plus the weights each TurboQuant tensor encodes (frozen: not trainable), so that a
-    quantized model reports the parameter count of the model it stands for."""
-    total = type(self).num_parameters(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
-    if only_trainable:
-        return total
-    return total + sum(m.rows * m.in_features for m in self.modules() if isinstance(m, TurboQuantWeight))

@@ -1,14 +1,15 @@
 """Saving a TurboQuant model: tq_config.json, the model card, the tokenizer beside the weights, and push_to_hub.
 
-transformers writes the weights and config.json (`HfQuantizer.is_serializable`); these hooks add what the
-published format and the Hub need, in the folder transformers wrote.
+transformers writes the weights and config.json (`HfQuantizer.is_serializable`); `save_pretrained` and
+`push_to_hub` here add what the published format and the Hub need, in the folder transformers wrote. They become
+the methods of each TurboQuant model instance (`patches.patch_model`: transformers has no hook that runs after it
+has written the folder).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import types
 import warnings
 
 from huggingface_hub import ModelCard
@@ -42,7 +43,7 @@ def describe_quantized_model(model, save_directory: str) -> dict:
     return cfg.to_tq_config(layers, orig_in_dims, getattr(model, "_turboquant_original_model", None))
 
 
-def _save_pretrained_with_tq_config(self, save_directory, *args, model_card: bool = True, base_model=None, **kwargs):
+def save_pretrained(self, save_directory, *args, model_card: bool = True, base_model=None, **kwargs):
     """transformers' save_pretrained, then tq_config.json and (unless `model_card=False`) the model card README.md.
 
     `base_model`: the Hub id of the model this was quantized from, for the card (default: tq_config's
@@ -121,7 +122,7 @@ def _write_card(model, save_directory, repo_id=None, base_model=None, tags=None)
         f.write(text)
 
 
-def _push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
+def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
                  token=None, create_pr: bool = False, revision: str | None = None, tags=None,
                  base_model=None, **save_kwargs):
     """Push weights, config, tq_config.json and the TurboQuant model card in one commit.
@@ -140,18 +141,3 @@ def _push_to_hub(self, repo_id: str, *, commit_message: str | None = None, priva
         _write_card(self, tmp, repo_id=repo_id, base_model=base_model, tags=tags)
         return api.upload_folder(folder_path=tmp, repo_id=repo_id, token=token, revision=revision,
                                  create_pr=create_pr, commit_message=commit_message or "Upload TurboQuant model")
-
-
-def install_save_hooks(model) -> None:
-    """`save_pretrained` and `push_to_hub` of a TurboQuant model also write tq_config.json, the build record, the
-    model card and (when the folder has none) the tokenizer. transformers has no save hook for quantizers;
-    instance attributes keep the model's class (and its name) intact."""
-    model.save_pretrained = types.MethodType(_save_pretrained_with_tq_config, model)
-    model.push_to_hub = types.MethodType(_push_to_hub, model)
-
-
-def remove_save_hooks(model) -> None:
-    """Back to transformers' own `save_pretrained`, `push_to_hub` and `num_parameters` (a dequantized model is an
-    ordinary one)."""
-    for name in ("save_pretrained", "push_to_hub", "num_parameters"):
-        model.__dict__.pop(name, None)

@@ -101,44 +101,37 @@ def group_aligned_range(name: str, what: str, size: int, group_size: int, rank: 
 
 
 # -- the plan ---------------------------------------------------------------------------------------------------------
-def route_parallel_plans(model: nn.Module) -> None:
-    """Wrap the styles the model's tp and expert plans name in `TurboQuantStyle` and give every TurboQuant experts
-    module the tp plan has no entry for the intermediate split. Names the modules (for errors) and records the model
-    config on experts (5.17 sets `distributed_config.enable_expert_parallel` on it before sharding). Harmless when
-    no parallelism runs: transformers reads the plans only when it shards the model."""
+def route_parallel_plans(model: nn.Module) -> dict:
+    """When the model is loaded with a `distributed_config` (a tp or ep plan in use): name the TurboQuant modules
+    (for errors), record the model config on them (5.17 sets `distributed_config.enable_expert_parallel` on it
+    before sharding), give every TurboQuant experts module the tp plan has no entry for the intermediate split, and
+    return the styles to wrap, `{name: TurboQuantStyle or ExpertDispatchStyle}` (`patches.wrap_parallel_styles`
+    wraps them: transformers looks styles up by name). Without a `distributed_config`: nothing, `{}`."""
     plan = getattr(model, "_tp_plan", None)
-    if plan is None:
-        return
+    if plan is None or getattr(model.config, "distributed_config", None) is None:
+        return {}
     for name, module in model.named_modules():
         if isinstance(module, (TurboQuantLinear, TurboQuantExperts)):
             module.__dict__["_tq_name"] = name
             module.__dict__["_tq_model_config"] = model.config
+    styles = {}
     for plan_ in (plan, getattr(model, "_ep_plan", None) or {}):
         for style in set(plan_.values()):
             if style in COLUMN_STYLES or style in ROW_STYLES or style in EXPERT_STYLES or style in CHILD_STYLES:
-                wrap_style(style)
+                styles[style] = TurboQuantStyle
     if "ep_dispatch_experts" in (getattr(model, "_ep_plan", None) or {}).values():
-        wrap_style("ep_dispatch_experts", ExpertDispatchStyle)
+        styles["ep_dispatch_experts"] = ExpertDispatchStyle
     patterns = [re.compile(re.escape(k).replace(r"\*", r"\d+") + "$") for k in plan]
     for name, module in model.named_modules():
         if isinstance(module, TurboQuantExperts) and not any(p.match(name) for p in patterns):
-            plan[re.sub(r"\.\d+\.", ".*.", name)] = wrap_style(ADDED_EXPERTS_STYLE)
-
-
-def wrap_style(style: str, kind=None) -> str:
-    """Register `kind` (`TurboQuantStyle`) wrapping transformers' style `style` under the same name (once, for
-    the process: the wrapper changes nothing for modules other than TurboQuant's); returns the name."""
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
-
-    kind = kind or TurboQuantStyle
-    original = ALL_PARALLEL_STYLES.get(style)
-    if not isinstance(original, kind):
-        type(ALL_PARALLEL_STYLES).register(style, kind(style, original))
-    return style
+            plan[re.sub(r"\.\d+\.", ".*.", name)] = ADDED_EXPERTS_STYLE
+            styles[ADDED_EXPERTS_STYLE] = TurboQuantStyle
+    return styles
 
 
 class TurboQuantStyle:
-    """A transformers tensor parallel style for TurboQuant modules; other modules get the original style."""
+    """A transformers tensor parallel style for TurboQuant modules; other modules get the original style (it
+    takes the original's place in transformers' registry under the same name: `patches.wrap_parallel_styles`)."""
 
     def __init__(self, style: str, original):
         self.style = style
@@ -487,18 +480,11 @@ def local_state_bytes(model: nn.Module) -> int:
     return total
 
 
-def refuse_saving_slices(model: nn.Module) -> None:
-    """A model holding one rank's slices would save a partial checkpoint: its `save_pretrained` and `push_to_hub`
-    raise instead."""
-    if not sharded_weights(model):
-        return
-
-    def refuse(*args, **kwargs):
-        raise TensorParallelError(
-            "TurboQuant: this model holds one tensor-parallel rank's slices of its packed weights, so a checkpoint "
-            "saved from it would be partial; save from one process (from_pretrained without tp_plan), where the "
-            "whole weights are"
-        )
-
-    model.save_pretrained = refuse
-    model.push_to_hub = refuse
+def refuse_saving_slices(*args, **kwargs):
+    """`save_pretrained` and `push_to_hub` of a model holding one rank's slices (`patches.patch_model`): a
+    checkpoint saved from it would be partial."""
+    raise TensorParallelError(
+        "TurboQuant: this model holds one tensor-parallel rank's slices of its packed weights, so a checkpoint "
+        "saved from it would be partial; save from one process (from_pretrained without tp_plan), where the "
+        "whole weights are"
+    )
