@@ -453,7 +453,7 @@ def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb
     if top_k_index.numel() >= T.GEMM_MIN_M and _routed_gemm_serves(gu_packed, gu_cb, g) and \
             _routed_gemm_serves(d_packed, d_cb, g):
         return _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb,
-                            s1, s2, g, e, activation, inter)
+                            s1, s2, g, e, activation, inter, epi)
     wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
     x = L.rotate(hidden, s1, s2, g, wdt)
     tok, pos, _, offs = _device_routing(top_k_index, e)
@@ -472,7 +472,7 @@ def _routed_gemm_serves(packed: torch.Tensor, codebook: torch.Tensor, g: int) ->
 
 
 def _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2, g,
-                 e, activation, inter):
+                 e, activation, inter, epi: Epilogue = PLAIN):
     """`_fused_routed` with both grouped products on the packed-weight GEMM (`gemm.routed_gemm`): the tokens and
     then the intermediate rows rotated into the GEMM's lane order where its configuration takes it."""
     interp = L._interpreting()  # (the interpreter runs the GEMM in float32)
@@ -491,8 +491,9 @@ def _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb,
                                 use_asm=not interp, lanes_first=L._lanes_first())
 
     gu = product(hidden, gu_packed, gu_norms, gu_cb, 2 * inter, tok)
-    y = product(act_mul(gu, inter, activation, wdt), d_packed, d_norms, d_cb, h, None)
-    return combine(y, pos, top_k_weights, hidden.dtype)
+    experts = row_experts(top_k_index, pos, p) if epi.gate_up_bias is not None else None
+    y = product(act_mul(gu, inter, activation, wdt, epi, experts), d_packed, d_norms, d_cb, h, None)
+    return combine(y, pos, top_k_weights, hidden.dtype, epi.down_bias, top_k_index)
 
 
 def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):

@@ -952,18 +952,24 @@ def _layout_routing(kind: str, t: int, gen):
 def test_moe_experts_kernel_paths_in_other_layouts(L, M, kind, bits, runtime, monkeypatch):
     """The CUDA implementation of the MoE op (under the interpreter) for gpt-oss-shaped experts (biases, interleaved
     gate/up, clamped SwiGLU) and Llama-4-shaped ones against the torch reference, on every path: the pair GEMVs
-    (decode; the biases and the activation in torch, on the device), the fused routed products (the gate/up bias and
-    the activation in `act_mul`, the down bias in `combine`), the decoded prefill in chunks and all at once, and for
-    ternary bytes the per-expert products. The clamp acts on part of the gate and up values."""
+    (decode; the biases and the activation in torch, on the device), the fused routed products, on the lookup kernel
+    or the packed-weight GEMM (the gate/up bias and the activation in `act_mul`, the down bias in `combine`), the
+    decoded prefill in chunks and all at once, and for ternary bytes the per-expert products. The clamp acts on part
+    of the gate and up values."""
     c = LAYOUT_SHAPES[kind]
     ref_w, ker_w, act, extra = _layout_case(kind, bits, runtime, seed=int(bits * 10) + len(kind))
     s1, s2 = fmt.signs(c["g"])
     gen = torch.Generator().manual_seed(5)
     monkeypatch.setattr(T, "PAIR_MAX_ROWS", 4)
     per_expert = 3 * c["inter"] * c["h"] * 4
-    settings = [(None, True, 1 << 62), (2 * per_expert, True, 1 << 62), (2 * per_expert, True, 0), (1 << 30, False, 0)]
-    for scratch, rotated, fused_max in settings:
+    settings = [(None, True, 1 << 62, False), (2 * per_expert, True, 1 << 62, False),
+                (2 * per_expert, True, 1 << 62, True), (2 * per_expert, True, 0, False), (1 << 30, False, 0, False)]
+    routed_gemm = L.gemm.routed_gemm
+    for scratch, rotated, fused_max, on_gemm in settings:
         t = 2 if scratch is None else (6 if kind == "gpt_oss" else 9)
+        monkeypatch.setattr(T, "GEMM_MIN_M", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
+        gemms = []
+        monkeypatch.setattr(L.gemm, "routed_gemm", lambda *a, **kw: gemms.append(1) or routed_gemm(*a, **kw))
         monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch or per_expert)
         monkeypatch.setattr(T, "PREFILL_ROTATED_BASIS", rotated)
         monkeypatch.setattr(T, "FUSED_MAX_PAIRS", fused_max)
@@ -972,7 +978,8 @@ def test_moe_experts_kernel_paths_in_other_layouts(L, M, kind, bits, runtime, mo
         ref = ops.turboquant_moe_experts(hidden.float(), idx, wts, *ref_w, s1, s2, c["g"], c["e"], act, *extra)
         y = M.moe_experts(hidden, idx, wts, *ker_w, s1, s2, c["g"], c["e"], act, *extra)
         assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
-        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, _rel(y, ref))
+        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, on_gemm, _rel(y, ref))
+        assert len(gemms) == (2 if on_gemm and runtime else 0)  # (the GEMM serves the runtime layout)
         if kind == "gpt_oss" and scratch is None:  # (the clamp is reached: the layout's epilogue matters)
             x_rot = ops.rotate_activations(hidden.float(), s1, s2, c["g"])
             rows = 2 * c["inter"]  # expert 0's gate/up rows
