@@ -35,6 +35,8 @@ its tokens.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -53,51 +55,91 @@ def _activation(name: str):
     return ACTIVATIONS[name]
 
 
+class Epilogue(NamedTuple):
+    """What the experts' layout adds around the two products (`experts_layout.ExpertsLayout`): the gate/up bias
+    `(E, 2I)` added before the activation, the down bias `(E, H)` added to each pair's output before its routing
+    weight, whether the gate/up outputs alternate, and the clamped SwiGLU's `alpha` and `limit`."""
+
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    interleaved: bool = False
+    alpha: float = 1.0
+    limit: float = 0.0
+
+
+PLAIN = Epilogue()
+
 # Activations `_act_mul_kernel` computes itself (others run in torch).
-_ACT_CODES = {"silu": 0, "relu": 1, "gelu_pytorch_tanh": 2}
+_ACT_CODES = {"silu": 0, "relu": 1, "gelu_pytorch_tanh": 2, "clamped_swiglu": 3}
 
 
 @triton.jit
-def _act_mul_kernel(gu_ptr, out_ptr, R, I, stride_g, stride_o, ACT: tl.constexpr, BR: tl.constexpr,
+def _act_mul_kernel(gu_ptr, out_ptr, bias_ptr, ex_ptr, R, I, stride_g, stride_o, stride_b, alpha, limit,
+                    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr,
                     BC: tl.constexpr):
-    """out[r, c] = act(gu[r, c]) * gu[r, I + c] in float32, stored in out's dtype (one pass over the gate/up
-    product instead of a conversion, the activation, the product and a conversion back)."""
+    """out[r, c] = act(gate[r, c]) * up[r, c] in float32, stored in out's dtype (one pass over the gate/up product
+    instead of a conversion, the activation, the product and a conversion back). Gate and up are columns c and
+    I + c of gu, or with INTERLEAVED 2c and 2c + 1; HAS_BIAS: row r's expert `ex[r]` adds its bias row to both
+    first. ACT 3: the clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     cc = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = (rr < R)[:, None] & (cc < I)[None, :]
     row = rr.to(tl.int64)[:, None]
-    gate = tl.load(gu_ptr + row * stride_g + cc[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + row * stride_g + I + cc[None, :], mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        gcol = 2 * cc[None, :]
+        ucol = gcol + 1
+    else:
+        gcol = cc[None, :]
+        ucol = I + gcol
+    gate = tl.load(gu_ptr + row * stride_g + gcol, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_g + ucol, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        ex = tl.load(ex_ptr + rr, mask=rr < R, other=0).to(tl.int64)[:, None]
+        gate += tl.load(bias_ptr + ex * stride_b + gcol, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + ex * stride_b + ucol, mask=mask, other=0.0).to(tl.float32)
     if ACT == 0:
         a = gate * tl.sigmoid(gate)
     elif ACT == 1:
         a = tl.maximum(gate, 0.0)
-    else:  # tanh-approximated GELU; tanh(z) = 2 sigmoid(2z) - 1
+    elif ACT == 2:  # tanh-approximated GELU; tanh(z) = 2 sigmoid(2z) - 1
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         a = gate * tl.sigmoid(2.0 * z)
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+        a = gate * tl.sigmoid(gate * alpha)
     tl.store(out_ptr + row * stride_o + cc[None, :], (a * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def act_mul(gu: torch.Tensor, inter: int, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """`act(gu[:, :inter]) * gu[:, inter:]` computed in float32, in `out_dtype`: one kernel for the activations of
-    `_ACT_CODES`, torch ops otherwise."""
+def act_mul(gu: torch.Tensor, inter: int, activation: str, out_dtype: torch.dtype, epi: Epilogue = PLAIN,
+            experts: torch.Tensor | None = None) -> torch.Tensor:
+    """`act(gate) * up` of the `(R, 2I)` gate/up product computed in float32, in `out_dtype`: one kernel for the
+    activations of `_ACT_CODES`, torch ops otherwise. With `epi.gate_up_bias`, `experts` (`(R,)` int) names each
+    row's expert, whose bias row is added first; `epi.interleaved`: the gate/up columns alternate."""
     r = gu.shape[0]
     code = _ACT_CODES.get(activation)
-    if code is None or gu.stride(-1) != 1:
-        gf = gu.float()
-        return (_activation(activation)(gf[:, :inter]) * gf[:, inter:]).to(out_dtype)
+    bias = epi.gate_up_bias
+    if code is None or gu.stride(-1) != 1 or (bias is not None and bias.stride(-1) != 1):
+        from turboquant_hf.activations import gated
+
+        gf = gu.float() if bias is None else gu.float() + bias[experts.long()].float()
+        return gated(gf, activation, epi.interleaved, epi.alpha, epi.limit).to(out_dtype)
     out = torch.empty(r, inter, dtype=out_dtype, device=gu.device)
     if r:
         br, bc = 16, min(256, next_power_of_2(inter))
-        launch(_act_mul_kernel, (cdiv(r, br), cdiv(inter, bc)), gu, out, r, inter, gu.stride(0),
-               out.stride(0), ACT=code, BR=br, BC=bc, num_warps=4)
+        launch(_act_mul_kernel, (cdiv(r, br), cdiv(inter, bc)), gu, out, gu if bias is None else bias,
+               gu if experts is None else experts, r, inter, gu.stride(0), out.stride(0),
+               0 if bias is None else bias.stride(0), float(epi.alpha), float(epi.limit), ACT=code,
+               INTERLEAVED=bool(epi.interleaved), HAS_BIAS=bias is not None, BR=br, BC=bc, num_warps=4)
     return out
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl.constexpr, BC: tl.constexpr):
-    """out[t] = sum over slots j of w[t, j] * y[pos[t, j]] in float32 (pos -1: the slot routed nowhere), stored in
-    out's dtype: each token reads its own rows of the expert-sorted results, so no scatter and no atomics."""
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, bias_ptr, idx_ptr, H, stride_y, stride_o, stride_b,
+                    K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[t] = sum over slots j of w[t, j] * (y[pos[t, j]] + bias[idx[t, j]]) in float32 (pos -1: the slot routed
+    nowhere; the bias with HAS_BIAS only), stored in out's dtype: each token reads its own rows of the expert-sorted
+    results, so no scatter and no atomics."""
     t = tl.program_id(0).to(tl.int64)
     cc = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cc < H
@@ -106,8 +148,11 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl
         p = tl.load(pos_ptr + t * K + j).to(tl.int64)
         w = tl.load(w_ptr + t * K + j).to(tl.float32)
         live = (tl.zeros([BC], dtype=tl.int64) + p) >= 0
-        v = tl.load(y_ptr + tl.maximum(p, 0) * stride_y + cc, mask=cmask & live, other=0.0)
-        acc += w * v.to(tl.float32)
+        v = tl.load(y_ptr + tl.maximum(p, 0) * stride_y + cc, mask=cmask & live, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # (a routed pair's expert is in [0, E))
+            ex = tl.where(p >= 0, tl.load(idx_ptr + t * K + j).to(tl.int64), 0)
+            v += tl.load(bias_ptr + ex * stride_b + cc, mask=cmask & live, other=0.0).to(tl.float32)
+        acc += w * v
     tl.store(out_ptr + t * stride_o + cc, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -118,29 +163,47 @@ def positions(tok: torch.Tensor, slot: torch.Tensor, t: int, k: int) -> torch.Te
     return pos.index_copy_(0, tok * k + slot, torch.arange(tok.numel(), dtype=torch.int32, device=tok.device))
 
 
-def combine(y: torch.Tensor, pos: torch.Tensor, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def row_experts(top_k_index: torch.Tensor, pos: torch.Tensor, rows: int) -> torch.Tensor:
+    """`(rows,)` int32: the expert of each row of the expert-sorted pairs (`pos`: `positions`; rows no routed pair
+    fills, 0). On the device, no host synchronisation."""
+    out = torch.zeros(rows + 1, dtype=torch.int32, device=pos.device)
+    dest = torch.where(pos >= 0, pos, rows).long()  # (pairs routed nowhere: the spare last entry)
+    return out.index_copy_(0, dest, top_k_index.reshape(-1).to(torch.int32))[:rows]
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, top_k_weights: torch.Tensor, out_dtype: torch.dtype,
+            bias: torch.Tensor | None = None, top_k_index: torch.Tensor | None = None) -> torch.Tensor:
     """The layer's output from the expert-sorted pair results `y`: per token the routing-weighted sum of its pairs'
-    rows (`pos`: row of pair (token, slot), -1 for none; see `positions`), in float32, stored in `out_dtype`. One
-    kernel, each token gathering its own rows."""
+    rows (`pos`: row of pair (token, slot), -1 for none; see `positions`), each plus its expert's `bias` row (`(E,
+    H)`, experts from `top_k_index`) where given, in float32, stored in `out_dtype`. One kernel, each token gathering
+    its own rows."""
     t, k = top_k_weights.shape
     h = y.shape[1]
     w = top_k_weights if top_k_weights.is_contiguous() else top_k_weights.contiguous()
     out = torch.empty(t, h, dtype=out_dtype, device=y.device)
+    if bias is not None:
+        bias = bias if bias.stride(-1) == 1 else bias.contiguous()
+        idx = top_k_index if top_k_index.is_contiguous() else top_k_index.contiguous()
     if t:
         bc = min(1024, next_power_of_2(h))
-        launch(_combine_kernel, (t, cdiv(h, bc)), y, pos, w, out, h, y.stride(0), out.stride(0), K=k, BC=bc,
-               num_warps=4)
+        launch(_combine_kernel, (t, cdiv(h, bc)), y, pos, w, out, y if bias is None else bias,
+               pos if bias is None else idx, h, y.stride(0), out.stride(0), 0 if bias is None else bias.stride(0),
+               K=k, BC=bc, HAS_BIAS=bias is not None, num_warps=4)
     return out
 
 
 def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
                 down_packed, down_norms, down_codebook, signs1, signs2, group_size: int, num_experts: int,
-                activation: str) -> torch.Tensor:
+                activation: str, gate_up_bias=None, down_bias=None, interleaved: bool = False, alpha: float = 1.0,
+                limit: float = 0.0) -> torch.Tensor:
+    from turboquant_hf.activations import check_activation
+
+    check_activation(activation, limit)
     t, h = hidden.shape
     k = top_k_index.shape[1]
     e = num_experts
     inter = gate_up_norms.shape[0] // e // 2
-    act = _activation(activation)
+    epi = Epilogue(gate_up_bias, down_bias, interleaved, alpha, limit)
     s1, s2 = L._f32(signs1), L._f32(signs2)
     unit_gu = L.lut_unit(gate_up_codebook.numel(), group_size)
     unit_d = L.lut_unit(down_codebook.numel(), group_size)
@@ -151,17 +214,30 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
         idx = top_k_index.reshape(-1)
         gu = _pairs(hidden, idx, k, gate_up_packed, gate_up_norms, gate_up_codebook, s1, s2, group_size, e,
                     unit_gu if sixteen else 0)
-        mid = act(gu[:, :inter]) * gu[:, inter:]
+        mid = _pair_gate(gu, idx, e, activation, epi)
         y = _pairs(mid, idx, 1, down_packed, down_norms, down_codebook, s1, s2, group_size, e,
                    unit_d if sixteen else 0)
+        if down_bias is not None:  # (pairs routed to no expert: no bias, as no output)
+            routed = ((idx >= 0) & (idx < e))[:, None]
+            y = y + torch.where(routed, down_bias[idx.clamp(0, e - 1)].float(), 0.0)
         out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
         return out.to(hidden.dtype)
     if sixteen and unit_gu and unit_d:
         plan = _fused_routed if t * k <= T.FUSED_MAX_PAIRS else _grouped_decoded
         return plan(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed,
-                    down_norms, down_codebook, s1, s2, group_size, e, activation, inter)
+                    down_norms, down_codebook, s1, s2, group_size, e, activation, inter, epi)
     return _grouped(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
-                    down_packed, down_norms, down_codebook, s1, s2, group_size, e, act, inter)
+                    down_packed, down_norms, down_codebook, s1, s2, group_size, e, activation, inter, epi)
+
+
+def _pair_gate(gu: torch.Tensor, idx: torch.Tensor, e: int, activation: str, epi: Epilogue) -> torch.Tensor:
+    """The routed pairs' `act(gate) * up` (float32) from their gate/up rows `gu` (row p: pair p, of expert idx[p]),
+    the gate/up bias added first where there is one."""
+    from turboquant_hf.activations import gated
+
+    if epi.gate_up_bias is not None:
+        gu = gu + epi.gate_up_bias[idx.clamp(0, e - 1)].float()  # (a pair routed nowhere: its result is unused)
+    return gated(gu, activation, epi.interleaved, epi.alpha, epi.limit)
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:
@@ -322,7 +398,7 @@ def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt
 
 
 def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1,
-                     s2, g, e, activation, inter):
+                     s2, g, e, activation, inter, epi: Epilogue = PLAIN):
     """Prefill over the routed experts' decoded weights (see the module docstring). With `tuning.PREFILL_ROTATED_BASIS`
     the activations are rotated instead (the tokens once, the intermediate rows once per chunk) and the weights
     decoded in the rotated basis, with no Walsh-Hadamard product per weight.
@@ -337,6 +413,7 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
     x_all = L.rotate(hidden, s1, s2, g, wdt) if rotated else hidden.to(wdt)
     tok, pos, chunks, grouped = _prefill_plan(hidden, top_k_index, e, 2 * inter * h, 3 * inter * h, wdt)
     x = x_all[tok]  # the routed pairs' tokens, sorted by expert
+    experts = row_experts(top_k_index, pos, tok.numel()) if epi.gate_up_bias is not None else None
 
     def chunk(start, stop, sel, offs, sizes):
         n_mat = sel.numel()
@@ -344,7 +421,7 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
         w_gu = L.dequantize_lut(gu_packed, gu_norms, gu_cb, g, wdt, *unrot, select=sel, select_rows=2 * inter)
         gu = _expert_products(x[start:stop], w_gu.view(n_mat, 2 * inter, -1), offs, sizes, grouped)
         del w_gu
-        mid = act_mul(gu, inter, activation, wdt)
+        mid = act_mul(gu, inter, activation, wdt, epi, None if experts is None else experts[start:stop])
         del gu
         if rotated:
             mid = L.rotate(mid, s1, s2, g, wdt)
@@ -353,7 +430,7 @@ def _grouped_decoded(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu
         return _expert_products(mid, w_d.view(n_mat, h, -1), offs, sizes, grouped)
 
     y = _chunk_rows(chunks, chunk, tok.numel(), h, wdt, hidden.device)
-    return combine(y, pos, top_k_weights, hidden.dtype)
+    return combine(y, pos, top_k_weights, hidden.dtype, epi.down_bias, top_k_index)
 
 
 def _chunk_rows(chunks, chunk, rows: int, h: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -368,7 +445,7 @@ def _chunk_rows(chunks, chunk, rows: int, h: int, dtype: torch.dtype, device) ->
 
 
 def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2, g,
-                  e, activation, inter):
+                  e, activation, inter, epi: Epilogue = PLAIN):
     """Prefill with the experts decoded inside the products: the tokens rotated once, the pairs sorted by expert on
     the device (`_device_routing`), the gate/up product reading each pair's token row directly (`routed_lut_mm`),
     `act_mul`, the intermediate rows rotated, the down product, `combine`. No host synchronisation, no scratch
@@ -376,15 +453,16 @@ def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb
     if top_k_index.numel() >= T.GEMM_MIN_M and _routed_gemm_serves(gu_packed, gu_cb, g) and \
             _routed_gemm_serves(d_packed, d_cb, g):
         return _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb,
-                            s1, s2, g, e, activation, inter)
+                            s1, s2, g, e, activation, inter, epi)
     wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
     x = L.rotate(hidden, s1, s2, g, wdt)
     tok, pos, _, offs = _device_routing(top_k_index, e)
     gu = routed_lut_mm(x, offs, gu_packed, gu_norms, gu_cb, g, e, wdt, xrow=tok)
-    mid = L.rotate(act_mul(gu, inter, activation, wdt), s1, s2, g, wdt)
+    experts = row_experts(top_k_index, pos, tok.numel()) if epi.gate_up_bias is not None else None
+    mid = L.rotate(act_mul(gu, inter, activation, wdt, epi, experts), s1, s2, g, wdt)
     del gu
     y = routed_lut_mm(mid, offs, d_packed, d_norms, d_cb, g, e, wdt)
-    return combine(y, pos, top_k_weights, hidden.dtype)
+    return combine(y, pos, top_k_weights, hidden.dtype, epi.down_bias, top_k_index)
 
 
 def _routed_gemm_serves(packed: torch.Tensor, codebook: torch.Tensor, g: int) -> bool:
@@ -394,7 +472,7 @@ def _routed_gemm_serves(packed: torch.Tensor, codebook: torch.Tensor, g: int) ->
 
 
 def _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2, g,
-                 e, activation, inter):
+                 e, activation, inter, epi: Epilogue = PLAIN):
     """`_fused_routed` with both grouped products on the packed-weight GEMM (`gemm.routed_gemm`): the tokens and
     then the intermediate rows rotated into the GEMM's lane order where its configuration takes it."""
     interp = L._interpreting()  # (the interpreter runs the GEMM in float32)
@@ -413,8 +491,9 @@ def _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb,
                                 use_asm=not interp, lanes_first=L._lanes_first())
 
     gu = product(hidden, gu_packed, gu_norms, gu_cb, 2 * inter, tok)
-    y = product(act_mul(gu, inter, activation, wdt), d_packed, d_norms, d_cb, h, None)
-    return combine(y, pos, top_k_weights, hidden.dtype)
+    experts = row_experts(top_k_index, pos, p) if epi.gate_up_bias is not None else None
+    y = product(act_mul(gu, inter, activation, wdt, epi, experts), d_packed, d_norms, d_cb, h, None)
+    return combine(y, pos, top_k_weights, hidden.dtype, epi.down_bias, top_k_index)
 
 
 def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
@@ -431,7 +510,8 @@ def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
 
 
 def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2,
-             g, e, act, inter):
+             g, e, activation, inter, epi: Epilogue = PLAIN):
+    from turboquant_hf.activations import gated
     from turboquant_hf.routing import routed_groups
 
     t, h = hidden.shape
@@ -444,9 +524,13 @@ def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_p
     for ex, tok, slot in routed_groups(top_k_index, e):
         gu = L.product(x_rot[tok], gu_packed[ex * gu_rows * ng_h:(ex + 1) * gu_rows * ng_h],
                        gu_norms[ex * gu_rows:(ex + 1) * gu_rows], gu_cb, g, dt).float()
-        mid = act(gu[:, :inter]) * gu[:, inter:]
+        if epi.gate_up_bias is not None:
+            gu = gu + epi.gate_up_bias[ex].float()
+        mid = gated(gu, activation, epi.interleaved, epi.alpha, epi.limit)
         y = L.product(L.rotate(mid, s1, s2, g, torch.float32), d_packed[ex * h * ng_i:(ex + 1) * h * ng_i],
                       d_norms[ex * h:(ex + 1) * h], d_cb, g, dt).float()
+        if epi.down_bias is not None:
+            y = y + epi.down_bias[ex].float()
         out.index_add_(0, tok, y * top_k_weights[tok, slot, None].float())
     return out.to(hidden.dtype)
 

@@ -51,12 +51,13 @@ def _cuda_hadamard_linear(x, packed, norms, codebook, signs, group_size, in_feat
 
 
 def _cuda_moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
-                      down_packed, down_norms, down_codebook, signs1, signs2, group_size, num_experts, activation):
+                      down_packed, down_norms, down_codebook, signs1, signs2, group_size, num_experts, activation,
+                      gate_up_bias=None, down_bias=None, interleaved=False, alpha=1.0, limit=0.0):
     from . import moe
 
     return moe.moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook,
                            down_packed, down_norms, down_codebook, signs1, signs2, group_size, num_experts,
-                           activation)
+                           activation, gate_up_bias, down_bias, interleaved, alpha, limit)
 
 
 def _cuda_hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_norms, gate_codebook,

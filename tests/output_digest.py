@@ -276,7 +276,12 @@ def moe_digests():
 
 
 def _hadamard_moe_digests():
-    from turboquant_hf.kernels import _cuda_hadamard_linear, moe
+    from turboquant_hf.kernels import moe
+
+    try:
+        from turboquant_hf.kernels.registry import _cuda_hadamard_linear
+    except ImportError:  # (trees from before the registration moved into kernels/registry.py)
+        from turboquant_hf.kernels import _cuda_hadamard_linear
 
     from turboquant_hf import codec, layout
     from turboquant_hf import format as fmt

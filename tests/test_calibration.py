@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_qwen3_5_moe_model
+from conftest import spread_weights_, tiny_qwen3_5_moe_model
 from transformers import AutoModelForCausalLM
 
 from turboquant_hf import (
@@ -166,6 +166,88 @@ def test_tiny_moe_fused_experts_calibrate_and_reload(tmp_path):
     q.save_pretrained(tmp_path / "q")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
     assert torch.equal(again(ids).logits, logits)
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "llama4"])
+def test_transposed_experts_hessians_follow_transformers_forward(kind):
+    """The per-expert Hessians of gpt-oss's experts (biases, interleaved gate/up, clamped SwiGLU) and of Llama 4's
+    (expert blocks) equal those computed from what transformers' own experts code receives and applies: each expert's
+    input rows, and its `_apply_gate` (gpt-oss) or `act_fn(gate) * up` (Llama 4) outputs."""
+    import test_moe
+
+    from turboquant_hf.calibration import InputHessians
+
+    torch.manual_seed(0)
+    model = spread_weights_(getattr(test_moe, kind)()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_bias") or (kind == "gpt_oss" and name.endswith("experts.gate_up_proj")):
+                p.normal_(0, 0.5)  # (gpt-oss: the clamp acts)
+    plan = planning.from_config(model, TurboQuantConfig(bits=3, group_size=64))
+    name = next(n for n in plan.experts)
+    module = model.get_submodule(name)
+    seen = []
+    handle = module.register_forward_pre_hook(lambda m, args: seen.append(args))
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with InputHessians({}, {name: (module, plan.experts[name])}) as acc, torch.no_grad():
+        acc.new_batch()
+        model(ids)
+    handle.remove()
+    e = module.num_experts
+    want = [torch.zeros(e, test_moe.H, test_moe.H), torch.zeros(e, test_moe.IT, test_moe.IT)]
+    counts = torch.zeros(e, dtype=torch.int64)
+    for args in seen:
+        with torch.no_grad():
+            for ex in range(e):
+                if kind == "gpt_oss":
+                    x = args[0][(args[1] == ex).any(-1)]
+                    inner = module._apply_gate(x @ module.gate_up_proj[ex] + module.gate_up_proj_bias[ex])
+                else:
+                    block = args[0].view(e, -1, args[0].shape[-1])[ex]
+                    x = block[block.ne(0).any(-1)]
+                    gate, up = (x @ module.gate_up_proj[ex]).chunk(2, dim=-1)
+                    inner = up * module.act_fn(gate)
+                want[0][ex] += x.t() @ x
+                want[1][ex] += inner.t() @ inner
+                counts[ex] += x.shape[0]
+    hgu, hdn, got_counts = acc.expert_hessians[name]
+    assert torch.equal(got_counts, counts) and counts.sum() == 32 * (2 if kind == "gpt_oss" else 1)
+    for got, ref in ((hgu, want[0]), (hdn, want[1])):
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "llama4"])
+def test_transposed_experts_calibrate_reload_and_dequantize(kind, tmp_path):
+    """Calibrated rounding of gpt-oss's and Llama 4's experts: every expert's packed rows come from the expert's own
+    Hessian or the pooled one (not round-to-nearest), the biases are the source's, the model reloads bit for bit and
+    dequantizes back to transformers' module."""
+    import test_moe
+
+    torch.manual_seed(0)
+    spread_weights_(getattr(test_moe, kind)()).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    cal = CalibrationConfig(data=_batches(4, 32), samples=4, sequence_length=32)
+    cfg = TurboQuantConfig(bits=3, group_size=64, calibration=cal)
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32, quantization_config=cfg)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    experts = {n: m for n, m in q.named_modules() if n.endswith(".experts")}
+    assert len(experts) == 2 and all(isinstance(m, TurboQuantExperts) for m in experts.values())
+    for name, m in experts.items():
+        plain = base.get_submodule(name)
+        rtn, _ = codec.quantize_weight(plain.gate_up_proj.detach().transpose(1, 2), 3, 64)
+        rows = m.gate_up_proj.rows // m.num_experts * m.gate_up_proj.n_groups
+        for ex in range(m.num_experts):  # (each expert: its own or the pooled Hessian)
+            assert not torch.equal(m.gate_up_proj.tq_packed[ex * rows:(ex + 1) * rows], rtn[ex * rows:(ex + 1) * rows])
+        if m.layout.bias:
+            assert torch.equal(m.gate_up_proj_bias, plain.gate_up_proj_bias)
+            assert torch.equal(m.down_proj_bias, plain.down_proj_bias)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3))
+    logits = q(ids).logits
+    q.save_pretrained(tmp_path / "q")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    assert torch.equal(again(ids).logits, logits)
+    again.dequantize()
+    assert type(again.get_submodule(next(iter(experts)))) is type(base.get_submodule(next(iter(experts))))
+    assert ((again(ids).logits - logits).norm() / logits.norm()).item() < 1e-5
 
 
 def _truncated(model, layers: int):

@@ -250,6 +250,111 @@ def test_hybrid_moe_model_fused_at_load_on_gpu_matches_unfused(bits, tmp_path):
         assert torch.equal(got[k], want[k]), k
 
 
+def _experts_inputs(model) -> tuple[dict, list]:
+    """Forward hooks recording each TurboQuantExperts call's inputs: ({name: [args, ...]}, the hooks' handles)."""
+    from turboquant_hf import TurboQuantExperts
+
+    seen, handles = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, TurboQuantExperts):
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, args, name=name: seen.setdefault(name, []).append(args)))
+    return seen, handles
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "llama4"])
+@pytest.mark.parametrize("bits", [3, 1.58])
+def test_transposed_expert_models_on_gpu_match_cpu(kind, bits, tmp_path):
+    """Tiny gpt-oss and Llama 4 (text) models quantized while loading onto the GPU: the experts run the CUDA kernels
+    with their layout (biases, interleaved gate/up and the clamped SwiGLU acting on many values; Llama 4's expert
+    blocks) over a 96-token prompt (fused routed products) and at one token (pair GEMVs). Each experts call's output
+    is compared with the CPU reference on the same inputs (routing decisions differ between bf16 and float32 models,
+    so whole-model logits are not); the saved model reloads on the GPU bit for bit and generates."""
+    import test_moe
+    from conftest import spread_weights_
+
+    torch.manual_seed(0)
+    model = spread_weights_(getattr(test_moe, kind)())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_bias") or (kind == "gpt_oss" and name.endswith("experts.gate_up_proj")):
+                p.normal_(0, 0.5)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    cfg = TurboQuantConfig(bits=bits, group_size=64)
+    gpu = AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=cfg, device_map="cuda",
+                                               dtype=torch.bfloat16)
+    cpu = AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=cfg, dtype=torch.float32)
+    seen, handles = _experts_inputs(gpu)
+    ids = torch.randint(3, 256, (1, 96), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        logits = gpu(input_ids=ids, use_cache=False).logits
+        gpu(input_ids=ids[:, :1], use_cache=False)
+        for handle in handles:
+            handle.remove()
+        assert len(seen) == 2 and all(len(calls) == 2 for calls in seen.values())
+        for name, calls in seen.items():
+            for args in calls:
+                got = gpu.get_submodule(name)(*args)
+                want = cpu.get_submodule(name)(*(a.cpu().float() if a.is_floating_point() else a.cpu() for a in args))
+                assert got.dtype == torch.bfloat16 and rel(got, want) < 2e-2, (name, args[0].shape, rel(got, want))
+    gpu.save_pretrained(tmp_path / "q")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", device_map="cuda")
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids, use_cache=False).logits, logits)
+    assert again.generate(ids[:, :8], max_new_tokens=8, do_sample=False).shape == (1, 16)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 1.58])
+def test_gpt_oss_width_experts_on_gpu_match_reference(bits, monkeypatch):
+    """gpt-oss's expert widths (H = I = 2880, not a multiple of G = 128: padded) in its layout (biases, interleaved
+    gate/up, the clamped SwiGLU at a limit many values pass) on the GPU against the CPU reference with the same
+    published bytes: at one token and 16 tokens (pair GEMVs), 200 tokens (fused routed products, and the decoded
+    prefill); a CUDA-graph replay of the 200-token layer gives the eager output."""
+    from turboquant_hf import TurboQuantExperts
+    from turboquant_hf.experts_layout import ExpertsLayout
+    from turboquant_hf.kernels import tuning
+
+    e, h, inter, k, g = 8, 2880, 2880, 4, 128
+    gen = torch.Generator().manual_seed(int(bits * 10))
+    layout = ExpertsLayout(transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0)
+    gate_up = codec.quantize_weight(torch.randn(e, 2 * inter, h, generator=gen) * 0.03, bits, g)
+    down = codec.quantize_weight(torch.randn(e, h, inter, generator=gen) * 0.03, bits, g)
+    biases = (torch.randn(e, 2 * inter, generator=gen) * 0.5, torch.randn(e, h, generator=gen) * 0.1)
+    modules = {}
+    for dev in ("cpu", "cuda"):
+        m = TurboQuantExperts(e, h, inter, bits, bits, g, "clamped_swiglu", device=dev, layout=layout,
+                              dtype=torch.float32 if dev == "cpu" else torch.bfloat16)
+        m.gate_up_proj.load_packed_(*(t.to(dev) for t in gate_up))
+        m.down_proj.load_packed_(*(t.to(dev) for t in down))
+        with torch.no_grad():
+            m.gate_up_proj_bias.copy_(biases[0])
+            m.down_proj_bias.copy_(biases[1])
+        modules[dev] = m
+    assert modules["cuda"].gate_up_proj.runtime_layout and modules["cuda"].down_proj.runtime_layout
+    with torch.no_grad():
+        for t, fused in ((1, True), (16, True), (200, False), (200, True)):
+            monkeypatch.setattr(tuning, "FUSED_MAX_PAIRS", 1 << 30 if fused else 0)
+            x = torch.randn(t, h, generator=gen)
+            idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+            w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+            want = modules["cpu"](x, idx, w)
+            args = (x.to("cuda", torch.bfloat16), idx.cuda(), w.cuda())
+            got = modules["cuda"](*args)
+            assert rel(got, want) < 2e-2, (t, fused, rel(got, want))
+        # (the last case, the fused routed products, captured)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            modules["cuda"](*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = modules["cuda"](*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, got)
+
+
 @pytest.mark.parametrize("bits", [3, 4, 1.58])
 def test_cached_launch_runs_the_kernels_triton_picks(bits, monkeypatch):
     """`kernels.launch` (compiled kernels launched from its own cache) against Triton's launch path: the same bits

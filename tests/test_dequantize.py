@@ -59,9 +59,31 @@ def qwen_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_5_moe"])
-def test_dequantize_round_trip(kind, tiny_llama_dir, qwen_dir, tmp_path):
-    src = tiny_llama_dir if kind == "llama" else qwen_dir
+@pytest.fixture(scope="module")
+def transposed_dirs(tmp_path_factory):
+    """Tiny gpt-oss and Llama 4 (text) models, whose experts transformers stores [E, in, out] (gpt-oss: interleaved
+    gate/up, biases)."""
+    from conftest import spread_weights_
+    from test_moe import gpt_oss, llama4
+
+    out = {}
+    for kind, build in (("gpt_oss", gpt_oss), ("llama4", llama4)):
+        torch.manual_seed(0)
+        model = spread_weights_(build())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_bias"):
+                    p.normal_(0, 0.5)
+        out[kind] = str(tmp_path_factory.mktemp(kind))
+        model.to(torch.bfloat16).save_pretrained(out[kind])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5_moe", "gpt_oss", "llama4"])
+def test_dequantize_round_trip(kind, tiny_llama_dir, qwen_dir, transposed_dirs, tmp_path):
+    """Also for experts stored transposed, interleaved and biased (gpt-oss, Llama 4): the dequantized model saves as
+    an ordinary checkpoint that transformers alone loads, with the same logits."""
+    src = {"llama": tiny_llama_dir, "qwen3_5_moe": qwen_dir}.get(kind) or transposed_dirs[kind]
     q = AutoModelForCausalLM.from_pretrained(src, quantization_config=TurboQuantConfig(bits=3, group_size=64),
                                              dtype=torch.float32)
     expected = _logits(q)

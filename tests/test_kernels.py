@@ -903,6 +903,135 @@ def test_combine_sums_routed_rows(M):
     assert torch.equal(M.combine(y_d, pos_d, w, torch.float32), got)
 
 
+# Experts in transformers' other layouts, as the op receives them: gpt-oss-shaped (gate/up outputs interleaved, expert
+# biases, the clamped SwiGLU; widths that are not multiples of G = 128, as gpt-oss's 2880) and Llama-4-shaped (its
+# expert blocks gathered into one routed pair per row, some rows routed nowhere, unit weights).
+LAYOUT_SHAPES = {"gpt_oss": dict(e=5, h=192, inter=96, g=128, k=2),
+                 "llama4": dict(e=6, h=128, inter=64, g=64, k=1)}
+
+
+def _layout_case(kind: str, bits, runtime: bool, seed: int):
+    """(weights as the reference reads them, as the kernels read them, the op's layout arguments, the codebook) of
+    a `LAYOUT_SHAPES` case; the gpt-oss-shaped gate/up weights are wide enough that the clamp (limit 7) acts."""
+    c = LAYOUT_SHAPES[kind]
+    e, h, inter, g = c["e"], c["h"], c["inter"], c["g"]
+    gen = torch.Generator().manual_seed(seed)
+    gu_p, gu_n = codec.quantize_weight(torch.randn(e, 2 * inter, h, generator=gen), bits, g)
+    d_p, d_n = codec.quantize_weight(torch.randn(e, h, inter, generator=gen) * 0.2, bits, g)
+    if bits == fmt.TERNARY:
+        gu_n, d_n = gu_n.half(), d_n.half()  # as TurboQuantWeight stores the ternary tier
+    nl = fmt.levels_for_bits(bits)
+    cb = fmt.codebook(nl, g)
+    gu_k, d_k, cb_k = gu_p, d_p, cb
+    if runtime:
+        gu_k, d_k = layout.to_runtime(gu_p, nl, g, gu_n.shape[1]), layout.to_runtime(d_p, nl, g, d_n.shape[1])
+        cb_k = layout.runtime_codebook(cb)
+    if kind == "gpt_oss":
+        extra = (torch.randn(e, 2 * inter, generator=gen).to(torch.bfloat16),
+                 torch.randn(e, h, generator=gen).to(torch.bfloat16), True, 1.702, 7.0)
+        act = "clamped_swiglu"
+    else:
+        extra = (None, None, False, 1.0, 0.0)
+        act = "silu"
+    return (gu_p, gu_n, cb, d_p, d_n, cb), (gu_k, gu_n, cb_k, d_k, d_n, cb_k), act, extra
+
+
+def _layout_routing(kind: str, t: int, gen):
+    c = LAYOUT_SHAPES[kind]
+    e, k = c["e"], c["k"]
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    idx[0, -1] = e  # routed nowhere ("no expert")
+    if t > 2:
+        idx[t - 1, 0] = -1
+    weights = torch.ones(t, k) if kind == "llama4" else torch.rand(t, k, generator=gen)
+    return idx, weights
+
+
+@pytest.mark.parametrize("kind", list(LAYOUT_SHAPES))
+@pytest.mark.parametrize("bits,runtime", [(3, True), (fmt.TERNARY, False)])
+def test_moe_experts_kernel_paths_in_other_layouts(L, M, kind, bits, runtime, monkeypatch):
+    """The CUDA implementation of the MoE op (under the interpreter) for gpt-oss-shaped experts (biases, interleaved
+    gate/up, clamped SwiGLU) and Llama-4-shaped ones against the torch reference, on every path: the pair GEMVs
+    (decode; the biases and the activation in torch, on the device), the fused routed products, on the lookup kernel
+    or the packed-weight GEMM (the gate/up bias and the activation in `act_mul`, the down bias in `combine`), the
+    decoded prefill in chunks and all at once, and for ternary bytes the per-expert products. The clamp acts on part
+    of the gate and up values."""
+    c = LAYOUT_SHAPES[kind]
+    ref_w, ker_w, act, extra = _layout_case(kind, bits, runtime, seed=int(bits * 10) + len(kind))
+    s1, s2 = fmt.signs(c["g"])
+    gen = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(T, "PAIR_MAX_ROWS", 4)
+    per_expert = 3 * c["inter"] * c["h"] * 4
+    settings = [(None, True, 1 << 62, False), (2 * per_expert, True, 1 << 62, False),
+                (2 * per_expert, True, 1 << 62, True), (2 * per_expert, True, 0, False), (1 << 30, False, 0, False)]
+    routed_gemm = L.gemm.routed_gemm
+    for scratch, rotated, fused_max, on_gemm in settings:
+        t = 2 if scratch is None else (6 if kind == "gpt_oss" else 9)
+        monkeypatch.setattr(T, "GEMM_MIN_M", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
+        gemms = []
+        monkeypatch.setattr(L.gemm, "routed_gemm", lambda *a, **kw: gemms.append(1) or routed_gemm(*a, **kw))
+        monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch or per_expert)
+        monkeypatch.setattr(T, "PREFILL_ROTATED_BASIS", rotated)
+        monkeypatch.setattr(T, "FUSED_MAX_PAIRS", fused_max)
+        hidden = torch.randn(t, c["h"], generator=gen).to(torch.bfloat16)
+        idx, wts = _layout_routing(kind, t, gen)
+        ref = ops.turboquant_moe_experts(hidden.float(), idx, wts, *ref_w, s1, s2, c["g"], c["e"], act, *extra)
+        y = M.moe_experts(hidden, idx, wts, *ker_w, s1, s2, c["g"], c["e"], act, *extra)
+        assert y.dtype == torch.bfloat16 and y.shape == hidden.shape
+        assert _rel(y, ref) < 1.5e-2, (t, scratch, rotated, fused_max, on_gemm, _rel(y, ref))
+        assert len(gemms) == (2 if on_gemm and runtime else 0)  # (the GEMM serves the runtime layout)
+        if kind == "gpt_oss" and scratch is None:  # (the clamp is reached: the layout's epilogue matters)
+            x_rot = ops.rotate_activations(hidden.float(), s1, s2, c["g"])
+            rows = 2 * c["inter"]  # expert 0's gate/up rows
+            gu = ops.codebook_matmul(x_rot, ref_w[0][:rows * ref_w[1].shape[1]], ref_w[1][:rows].float(), ref_w[2],
+                                     c["g"])
+            assert (gu.abs() > extra[4]).float().mean() > 0.05
+    no_bias = ops.turboquant_moe_experts(hidden.float(), idx, wts, *ref_w, s1, s2, c["g"], c["e"], act, None, None,
+                                         *extra[2:])
+    if kind == "gpt_oss":
+        assert _rel(no_bias, ref) > 0.1  # the biases change the output well beyond the tolerance above
+
+
+def test_act_mul_and_combine_apply_the_layout_epilogue(M):
+    """`act_mul` with a per-row expert bias, interleaved gate/up columns and the clamped SwiGLU against
+    `activations.gated` in float32 (rows and columns not multiples of its blocks; a strided input takes torch ops),
+    and `combine` adding each routed pair's down bias (none for pairs routed nowhere) against a direct sum."""
+    from turboquant_hf.activations import gated
+
+    gen = torch.Generator().manual_seed(21)
+    e, inter, rows = 5, 300, 37
+    gu = torch.randn(rows, 2 * inter, generator=gen) * 6
+    bias = torch.randn(e, 2 * inter, generator=gen)
+    experts = torch.randint(0, e, (rows,), generator=gen, dtype=torch.int32)
+    for act, interleaved in (("clamped_swiglu", True), ("clamped_swiglu", False), ("silu", True), ("relu", False)):
+        epi = M.Epilogue(bias, None, interleaved, 1.702, 7.0)
+        want = gated(gu + bias[experts.long()], act, interleaved, 1.702, 7.0)
+        got = M.act_mul(gu, inter, act, torch.float32, epi, experts)
+        assert got.shape == want.shape and _rel(got, want) < 1e-6, (act, interleaved, _rel(got, want))
+        strided = torch.cat([gu, gu], 1)[:, ::2]
+        assert _rel(M.act_mul(strided, inter, act, torch.float32, epi, experts),
+                    gated(strided + bias[experts.long()], act, interleaved, 1.702, 7.0)) < 1e-6
+        assert _rel(M.act_mul(gu, inter, act, torch.float32, M.Epilogue(None, None, interleaved, 1.702, 7.0)),
+                    gated(gu, act, interleaved, 1.702, 7.0)) < 1e-6
+    assert (gu[:, ::2] > 7).any() and (gu.abs() > 7).any()  # the clamp acts
+
+    t, k, h = 9, 3, 260
+    idx = torch.randint(0, e, (t, k), generator=gen)
+    idx[1, 2], idx[3, 0] = e, -1
+    tok, slot, _, _ = ops.expert_groups(idx, e)
+    y = torch.randn(tok.numel(), h, generator=gen)
+    w = torch.rand(t, k, generator=gen)
+    d_bias = torch.randn(e, h, generator=gen)
+    want = torch.zeros(t, h).index_add_(0, tok, (y + d_bias[idx[tok, slot]]) * w[tok, slot, None])
+    pos = M.positions(tok, slot, t, k)
+    assert _rel(M.combine(y, pos, w, torch.float32, d_bias, idx), want) < 1e-6
+    # each sorted row's expert, from the routing on the device (pairs routed nowhere: rows past the routed ones)
+    tok_d, pos_d, _, _ = M._device_routing(idx, e)
+    rows_e = M.row_experts(idx, pos_d, tok_d.numel())
+    live = pos_d >= 0
+    assert torch.equal(rows_e[pos_d[live].long()], idx.reshape(-1)[live].to(torch.int32))
+
+
 @pytest.mark.parametrize("tiers", [(3, 3, 3), (fmt.TERNARY, fmt.TERNARY, 4)])
 def test_hadamard_moe_experts_kernel_path(L, M, tiers, monkeypatch):
     """turboquant-mlx experts (whole-row rotations with per-projection signs and codebooks, float16 norms

@@ -1,4 +1,6 @@
-"""MoE experts: TurboQuantExperts on tiny Qwen3.5-MoE, Qwen3-MoE and Mixtral, fused and per-expert sources."""
+"""MoE experts: TurboQuantExperts on tiny Qwen3.5-MoE, Qwen3-MoE and Mixtral, fused and per-expert sources, and on
+gpt-oss and Llama 4 (text), whose experts transformers stores transposed (gpt-oss: interleaved gate/up, biases, a
+clamped SwiGLU; Llama 4: expert-block inputs)."""
 
 import copy
 import json
@@ -10,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import spread_weights_
+from conftest import assert_same_tensors, spread_weights_
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
 from turboquant_hf import format as fmt
 from turboquant_hf.checkpoint import CheckpointError
@@ -263,20 +265,330 @@ def test_expert_count_mismatch_named(checkpoints, tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path / "q")
 
 
-def test_unknown_experts_layout_is_named(caplog):
+# -- transposed experts: gpt-oss and Llama 4 ----------------------------------------------------------------------
+IT = 96  # their intermediate width: 2I != H (a transposition mix-up changes shapes) and I not a multiple of G = 64
+
+
+def gpt_oss():
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    model = GptOssForCausalLM(GptOssConfig(vocab_size=256, hidden_size=128, intermediate_size=64,
-                                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                           head_dim=32, num_local_experts=4, num_experts_per_tok=2))
-    import tempfile
+    return GptOssForCausalLM(GptOssConfig(vocab_size=256, hidden_size=H, intermediate_size=IT, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                          num_local_experts=E, num_experts_per_tok=TOP_K))
 
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        with caplog.at_level(logging.WARNING):
-            q = AutoModelForCausalLM.from_pretrained(d, quantization_config=TurboQuantConfig(group_size=64))
-    assert "model.layers.0.mlp.experts" in caplog.text and "stays in full precision" in caplog.text
-    assert not isinstance(q.model.layers[0].mlp.experts, TurboQuantExperts)
+
+def llama4():
+    from transformers import Llama4ForCausalLM
+    from transformers.models.llama4 import Llama4TextConfig
+
+    return Llama4ForCausalLM(Llama4TextConfig(vocab_size=256, hidden_size=H, intermediate_size=IT,
+                                              intermediate_size_mlp=192, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=32, num_local_experts=E,
+                                              num_experts_per_tok=1, interleave_moe_layer_step=1))
+
+
+# {kind: (builder, its experts' ExpertsLayout fields, activation)} (the layout module is imported where it is used, so
+# that tests/output_digest.py can import this file's builders against trees that predate it)
+TRANSPOSED = {"gpt_oss": (gpt_oss, dict(transposed=True, interleaved=True, bias=True, alpha=1.702, limit=7.0),
+                          "clamped_swiglu"),
+              "llama4": (llama4, dict(transposed=True, inputs="expert_blocks", top_k=1), "silu")}
+
+
+def _layout(kind: str):
+    from turboquant_hf.experts_layout import ExpertsLayout
+
+    return ExpertsLayout(**TRANSPOSED[kind][1])
+
+
+@pytest.fixture(scope="module")
+def transposed_checkpoints(tmp_path_factory):
+    """{kind: dir} of tiny gpt-oss and Llama 4 models saved in bf16. gpt-oss's expert biases are drawn too, and its
+    gate/up weights wide enough that the clamp of its SwiGLU (limit 7) acts on many gate and up values."""
+    out = {}
+    for kind, (build, _, _) in TRANSPOSED.items():
+        torch.manual_seed(0)
+        model = spread_weights_(build())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                    p.normal_(0, 0.5)
+                elif name.endswith("experts.gate_up_proj") and kind == "gpt_oss":
+                    p.normal_(0, 0.5)
+        d = str(tmp_path_factory.mktemp(kind))
+        model.to(torch.bfloat16).save_pretrained(d)
+        out[kind] = d
+    return out
+
+
+def _record_clamped_gates(model) -> list:
+    """Wrap each gpt-oss experts module's `_apply_gate` to record the share of gate values above the limit and of
+    up values outside [-limit, limit]."""
+    seen = []
+    for m in model.modules():
+        if type(m).__name__ == "GptOssExperts":
+            def apply_gate(gate_up, m=m, original=m._apply_gate):
+                gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+                seen.append(((gate > m.limit).float().mean().item(), (up.abs() > m.limit).float().mean().item()))
+                return original(gate_up)
+            m._apply_gate = apply_gate
+    return seen
+
+
+@pytest.mark.parametrize("kind", list(TRANSPOSED))
+def test_transposed_experts_quantize_save_reload_dequantize(transposed_checkpoints, kind, tmp_path):
+    """gpt-oss and Llama 4 experts ([E, in, out]) quantized on the fly in the published row layout (the stored
+    matrices transposed: one packed row per output channel), saved under the published names, reloaded bit for bit,
+    generating; `dequantize()` gives back transformers' own module class and parameter layout (transposition,
+    interleave, biases), whose float forward matches the quantized model's logits within float32 rounding."""
+    src = transposed_checkpoints[kind]
+    layout, activation = _layout(kind), TRANSPOSED[kind][2]
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    q = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                             quantization_config=TurboQuantConfig(bits=3, group_size=64))
+    experts = {n: m for n, m in q.named_modules() if n.endswith(".experts")}
+    assert len(experts) == 2 and all(isinstance(m, TurboQuantExperts) for m in experts.values())
+    plain_class = type(base.get_submodule(next(iter(experts))))
+    for name, m in experts.items():
+        assert (m.layout, m.activation) == (layout, activation), name
+        plain = base.get_submodule(name)
+        assert tuple(plain.gate_up_proj.shape) == (E, H, 2 * IT) and tuple(plain.down_proj.shape) == (E, IT, H)
+        for packed_w, source in ((m.gate_up_proj, plain.gate_up_proj), (m.down_proj, plain.down_proj)):
+            packed, norms = codec.quantize_weight(source.detach().transpose(1, 2), 3, 64)
+            assert torch.equal(packed_w.tq_packed, packed) and torch.equal(packed_w.tq_norms, norms), name
+        for attr in ("gate_up_proj_bias", "down_proj_bias") if layout.bias else ():
+            assert torch.equal(getattr(m, attr), getattr(plain, attr)), (name, attr)
+
+    q.save_pretrained(tmp_path / "q")
+    saved = load_file(tmp_path / "q" / "model.safetensors")
+    ng_h, ng_i = H // 64, -(-IT // 64)
+    for name in experts:
+        assert saved[name + ".gate_up_proj.tq_packed"].shape == (E * 2 * IT * ng_h, 24)
+        assert saved[name + ".gate_up_proj.tq_norms"].shape == (E * 2 * IT, ng_h)
+        assert saved[name + ".down_proj.tq_packed"].shape == (E * H * ng_i, 24)
+        assert saved[name + ".down_proj.tq_norms"].shape == (E * H, ng_i)
+        for attr in ("gate_up_proj_bias", "down_proj_bias") if layout.bias else ():
+            assert torch.equal(saved[f"{name}.{attr}"], base.get_submodule(name).get_parameter(attr)), attr
+    extra = {"gate_up_proj_bias", "down_proj_bias"} if layout.bias else set()
+    assert not [k for k in saved if ".experts." in k and not k.endswith((".tq_packed", ".tq_norms"))
+                and k.rpartition(".")[2] not in extra]
+
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    again.save_pretrained(tmp_path / "again")
+    assert_same_tensors(tmp_path / "q", tmp_path / "again")  # the round trip is bit-exact
+    ids = _ids()
+    with torch.no_grad():
+        logits = q(ids).logits
+        assert torch.equal(again(ids).logits, logits)
+    tokens = q.generate(ids, max_new_tokens=6, do_sample=False)
+    assert tokens.shape == (2, 18) and torch.equal(again.generate(ids, max_new_tokens=6, do_sample=False), tokens)
+
+    q.dequantize()
+    assert {k: tuple(v.shape) for k, v in q.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in base.state_dict().items()}
+    for name, m in experts.items():
+        plain = q.get_submodule(name)
+        assert type(plain) is plain_class
+        for attr, w in (("gate_up_proj", m.gate_up_proj), ("down_proj", m.down_proj)):
+            want = codec.dequantize_weight(w.tq_packed, w.tq_norms, w.in_features, 64).view(w.source_shape)
+            assert torch.equal(plain.get_parameter(attr), want.transpose(1, 2)), (name, attr)
+    seen = _record_clamped_gates(q)
+    with torch.no_grad():
+        dequantized = q(ids).logits
+    rel = ((dequantized - logits).norm() / logits.norm()).item()
+    assert rel < 1e-5, rel
+    if kind == "gpt_oss":  # the clamp acted on the gate and on the up values of every layer
+        assert len(seen) == 2 and all(g > 0.05 and u > 0.05 for g, u in seen), seen
+    assert torch.equal(q.generate(ids, max_new_tokens=6, do_sample=False), tokens)
+
+
+def test_missing_expert_bias_is_named(transposed_checkpoints, tmp_path):
+    """A quantized gpt-oss checkpoint without one of its expert biases is refused naming the tensor (never loaded
+    with an uninitialised bias)."""
+    from safetensors.torch import save_file
+
+    q = AutoModelForCausalLM.from_pretrained(transposed_checkpoints["gpt_oss"],
+                                             quantization_config=TurboQuantConfig(group_size=64))
+    q.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_bias"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\) of quantized layers \(model\.layers\.1\.mlp\."
+                                              r"experts\.down_proj_bias\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("kind", list(TRANSPOSED))
+def test_transposed_experts_sizes_from_headers_and_budget(transposed_checkpoints, kind):
+    """The plan from safetensors headers alone (`turboquant-hf plan`, the memory plan) and the bit budget's accounting
+    count a transposed expert tensor as the rows it is packed in: E x 2I (or E x H) rows over H (or I) inputs."""
+    from safetensors import safe_open
+
+    from turboquant_hf import budget, planning
+
+    src = transposed_checkpoints[kind]
+    with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
+        tensors = {k: (None, tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+    cfg = TurboQuantConfig(bits=3, group_size=64, module_bits={"down_proj": 4})
+    planned = planning.from_headers(json.load(open(os.path.join(src, "config.json"))), tensors, cfg)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    _, fixed = budget.quantized_tensors(model, cfg)
+    for name in (n for n, m in model.named_modules() if n.endswith(".experts")):
+        assert planned[name + ".gate_up_proj"] == (name, 3, E * 2 * IT, H)
+        assert planned[name + ".down_proj"] == (name, 4, E * H, IT)
+        assert fixed[name + ".gate_up_proj"] == (3, E * 2 * IT, H) and fixed[name + ".down_proj"] == (4, E * H, IT)
+
+
+def _dense_experts(x, index, weights, gate_up, down, gate_up_bias, down_bias, interleaved, clamped):
+    """The routed experts written out per token and slot in float64 (independent of the package's code)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot in range(index.shape[1]):
+            ex = int(index[t, slot])
+            if not 0 <= ex < gate_up.shape[0]:
+                continue
+            a = gate_up[ex] @ x[t] + (gate_up_bias[ex] if gate_up_bias is not None else 0)
+            gate, up = (a[0::2], a[1::2]) if interleaved else a.chunk(2)
+            if clamped:
+                gate, up = gate.clamp(max=0.8), up.clamp(-0.8, 0.8)
+                mid = (up + 1) * gate * torch.sigmoid(1.5 * gate)
+            else:
+                mid = torch.nn.functional.silu(gate) * up
+            y = down[ex] @ mid + (down_bias[ex] if down_bias is not None else 0)
+            out[t] += weights[t, slot] * y
+    return out
+
+
+@pytest.mark.parametrize("interleaved, bias, clamped", [(False, True, False), (True, False, False),
+                                                        (False, True, True), (True, True, True)])
+def test_expert_op_layouts_match_dense_reference(interleaved, bias, clamped):
+    """The routed experts op with biases, interleaved gate/up outputs and the clamped SwiGLU (alpha 1.5, limit 0.8,
+    which most values pass) equals a dense float64 loop over the dequantized experts; pairs routed to no expert
+    (index -1 or E) add nothing, not even a bias."""
+    torch.manual_seed(0)
+    t = 7
+    from turboquant_hf.experts_layout import ExpertsLayout
+
+    layout = ExpertsLayout(interleaved=interleaved, bias=bias, alpha=1.5, limit=0.8)
+    m = TurboQuantExperts(E, H, I, 3, 4, 64, "clamped_swiglu" if clamped else "silu", layout=layout)
+    m.gate_up_proj.load_packed_(*codec.quantize_weight(torch.randn(E, 2 * I, H) * 0.2, 3, 64))
+    m.down_proj.load_packed_(*codec.quantize_weight(torch.randn(E, H, I) * 0.2, 4, 64))
+    if bias:
+        m.gate_up_proj_bias.data.normal_()
+        m.down_proj_bias.data.normal_()
+    gu = m.gate_up_proj.dequantize(torch.float64).view(E, 2 * I, H)
+    dn = m.down_proj.dequantize(torch.float64).view(E, H, I)
+    x = torch.randn(t, H)
+    idx = torch.stack([torch.randperm(E)[:TOP_K] for _ in range(t)])
+    idx[2, 1], idx[4, 0] = -1, E
+    wts = torch.softmax(torch.randn(t, TOP_K), -1)
+    biases = (m.gate_up_proj_bias.double(), m.down_proj_bias.double()) if bias else (None, None)
+    ref = _dense_experts(x.double(), idx, wts.double(), gu, dn, *biases, interleaved, clamped)
+    got = m(x, idx, wts)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 2e-6
+
+
+def test_llama4_expert_blocks_match_transformers_and_skip_unrouted_experts():
+    """Llama 4's convention (every expert's block of tokens at once): the quantized experts equal transformers'
+    `Llama4TextExperts` holding the dequantized weights, on blocks where each token reaches its top-k experts (rows
+    scaled by the routing score, zero elsewhere); experts no token reaches are never read (their packed bytes and
+    norms poisoned), and their output rows are zero."""
+    from transformers.models.llama4 import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    from turboquant_hf.experts_layout import EXPERT_BLOCKS, ExpertsLayout
+
+    torch.manual_seed(0)
+    t, k = 5, 2
+    plain = Llama4TextExperts(Llama4TextConfig(hidden_size=H, intermediate_size=IT, num_local_experts=E))
+    m = TurboQuantExperts(E, H, IT, 3, 3, 64, "silu", layout=ExpertsLayout(transposed=True, inputs=EXPERT_BLOCKS,
+                                                                          top_k=k))
+    with torch.no_grad():
+        for attr, shape in (("gate_up_proj", (E, H, 2 * IT)), ("down_proj", (E, IT, H))):
+            source = torch.randn(shape) * 0.1
+            w = getattr(m, attr)
+            w.load_packed_(*codec.quantize_weight(source.transpose(1, 2), 3, 64))
+            setattr(plain, attr, torch.nn.Parameter(w.dequantize().view(w.source_shape).transpose(1, 2)))
+    chosen = torch.stack([torch.randperm(E - 2)[:k] for _ in range(t)])  # experts E-2 and E-1: no token
+    chosen[3, 1] = chosen[3, 0]  # a token that reaches one expert only
+    scores = torch.zeros(E, t)
+    scores.scatter_(0, chosen.t(), torch.rand(k, t) + 0.1)
+    blocks = (torch.randn(t, H)[None] * scores[:, :, None]).reshape(E * t, H)
+    for w in (m.gate_up_proj, m.down_proj):
+        rows = w.rows // E
+        w.tq_norms[(E - 2) * rows:] = float("nan")
+        idle = w.tq_packed[(E - 2) * rows * w.n_groups:]
+        idle.copy_(torch.randint(0, 256, idle.shape, dtype=torch.uint8))
+    with torch.no_grad():
+        want = plain(blocks)
+    got = m(blocks)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert torch.equal(got.view(E, t, H)[E - 2:], torch.zeros(2, t, H))
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        m(blocks[:-1])
+
+
+def _gpt_oss_experts():
+    return gpt_oss().model.layers[0].mlp.experts
+
+
+def test_unsupported_expert_forms_are_named():
+    """`read_experts` reads gpt-oss's and Llama 4's forms, and names the reason for each form it does not compute."""
+    from turboquant_hf.experts_layout import UnsupportedExperts, read_experts
+
+    assert read_experts(_gpt_oss_experts(), "silu").layout == _layout("gpt_oss")
+    assert read_experts(llama4().model.layers[0].feed_forward.experts, "silu", 1).layout == _layout("llama4")
+
+    def refused(change, match):
+        m = _gpt_oss_experts()
+        change(m)
+        with pytest.raises(UnsupportedExperts, match=match):
+            read_experts(m, "silu")
+
+    refused(lambda m: setattr(m, "has_gate", False), "no gate projection")
+    refused(lambda m: setattr(m, "has_post_expert_norm", True), "normalizes each expert")
+    refused(lambda m: setattr(m, "has_bias", False), r"do not match has_bias=False")
+    refused(lambda m: delattr(m, "down_proj_bias"), r"biases \(gate_up_proj_bias\) do not match")
+    refused(lambda m: setattr(m, "is_transposed", False), r"are not \[E, 2I, H\] and \[E, H, I\]")
+    refused(lambda m: setattr(m, "is_concatenated", True), "_apply_gate computes none of")  # gate/up order wrong
+    refused(lambda m: setattr(m, "_apply_gate", lambda gu: gu[..., ::2] * gu[..., 1::2]), "computes none of")
+    refused(lambda m: setattr(m, "limit", float("nan")), "computes none of")
+
+    class TwoArguments(torch.nn.Module):  # undecorated, neither routed tokens nor expert blocks
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.empty(E, 2 * I, H))
+            self.down_proj = torch.nn.Parameter(torch.empty(E, H, I))
+
+        def forward(self, hidden_states, gammas):
+            return hidden_states
+
+    with pytest.raises(UnsupportedExperts, match=r"forward takes \(hidden_states, gammas\): neither routed"):
+        read_experts(TwoArguments(), "silu")
+    no_forward = TwoArguments()
+    type(no_forward).forward = torch.nn.Module.forward  # (nn.Module's own: *input, nothing to tell)
+    with pytest.raises(UnsupportedExperts, match=r"forward takes \(\*input\)"):
+        read_experts(no_forward, "silu")
+
+
+def test_unsupported_experts_stay_in_full_precision_with_the_reason(transposed_checkpoints, caplog, monkeypatch,
+                                                                      tmp_path):
+    """An experts module whose gate activation is none TurboQuant computes stays in full precision with a warning
+    naming the module and the reason; a checkpoint holding such experts packed is refused with the reason."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    src = transposed_checkpoints["gpt_oss"]
+    q = AutoModelForCausalLM.from_pretrained(src, quantization_config=TurboQuantConfig(group_size=64))
+    q.save_pretrained(tmp_path)
+    monkeypatch.setattr(GptOssExperts, "_apply_gate", lambda self, gu: gu[..., ::2] * torch.sigmoid(gu[..., 1::2]))
+    with caplog.at_level(logging.WARNING):
+        plain = AutoModelForCausalLM.from_pretrained(src, quantization_config=TurboQuantConfig(group_size=64))
+    assert "model.layers.0.mlp.experts (GptOssExperts) stays in full precision: its _apply_gate computes none" \
+        in caplog.text
+    assert type(plain.model.layers[0].mlp.experts) is GptOssExperts
+    assert isinstance(plain.model.layers[0].self_attn.q_proj, TurboQuantLinear)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.\d\.mlp\.experts: the checkpoint holds its experts "
+                                              "packed, but its _apply_gate computes none"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("bad", [{"expert_bits": 5}, {"expert_bits": "two"}])

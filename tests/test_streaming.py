@@ -609,6 +609,18 @@ def test_integer_weights_are_refused(tiny_llama_dir, tmp_path, capsys):
     _assert_refused(src, tmp_path, capsys, r"tensor model\.layers\.1\.self_attn\.v_proj\.weight is stored as I8")
 
 
+def test_transposed_experts_are_refused_by_name(tmp_path, capsys):
+    """gpt-oss's experts, stored [E, in, out], are not streamed: refused naming the tensor and the way to quantize
+    them, before anything is written."""
+    from test_moe import gpt_oss
+
+    torch.manual_seed(0)
+    gpt_oss().to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    _assert_refused(tmp_path / "src", tmp_path, capsys,
+                    r"model\.layers\.\d\.mlp\.experts\.(gate_up|down)_proj: experts stored \[E, in, out\] \(gpt-oss, "
+                    r"Llama 4\) are not streamed")
+
+
 @pytest.mark.parametrize("path", ["pool", "device"])
 def test_nan_half_way_leaves_nothing(path, tiny_llama_dir, tmp_path, monkeypatch):
     if path == "device":

@@ -289,6 +289,30 @@ def test_whole_row_rotation_is_refused_by_name():
         dist.destroy_process_group()
 
 
+def test_experts_in_other_layouts_are_refused_by_name():
+    """Tensor and expert parallelism split experts stored gate rows then up rows without biases; gpt-oss's layout
+    (transposed, interleaved, biased) is refused naming the module and the layout, before any split."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from turboquant_hf.experts_layout import ExpertsLayout
+    from turboquant_hf.modules import TurboQuantExperts
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layout = ExpertsLayout(transposed=True, interleaved=True, bias=True, alpha=1.702, limit=7.0)
+        for shard in (tp.shard_experts_, tp.shard_experts_by_expert_):
+            experts = TurboQuantExperts(4, 128, 64, 3, 3, 64, "clamped_swiglu", device="meta", layout=layout)
+            experts.__dict__["_tq_name"] = "model.layers.0.mlp.experts"
+            with pytest.raises(tp.TensorParallelError, match=r"model\.layers\.0\.mlp\.experts holds its experts in "
+                                                             r"a layout \(\[E, in, out\], interleaved gate/up, biased\)"):
+                shard(experts, mesh)
+            assert experts.gate_up_proj.tp_shard is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_slices_are_found_under_a_renamed_prefix(runs):
     """Each rank finds its slices when the checkpoint names the tensors `model.language_model.*`."""
     reference, results = runs

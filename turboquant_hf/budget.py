@@ -39,6 +39,7 @@ from torch import nn
 from . import format as fmt
 from . import planning
 from .codec import dequantize_weight, quantize_weight
+from .experts_layout import stored_shape
 from .modules import is_conv1d
 from .shards import available_memory
 
@@ -68,9 +69,9 @@ def quantized_tensors(model: nn.Module, config) -> tuple[dict[str, tuple[int, in
     fixed = {}
     for name, p in plan.experts.items():
         module = model.get_submodule(name)
-        e, two_i, h = module.gate_up_proj.shape
+        e, two_i, h = stored_shape(module.gate_up_proj.shape, p.layout)  # (packed [E, out, in], whatever the storage)
         fixed[name + ".gate_up_proj"] = (p.gate_up_bits, e * two_i, h)
-        e, h_out, i = module.down_proj.shape
+        e, h_out, i = stored_shape(module.down_proj.shape, p.layout)
         fixed[name + ".down_proj"] = (p.down_bits, e * h_out, i)
     return linears, fixed
 

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from . import codec, planning
-from .activations import ACTIVATIONS
+from .activations import gated
+from .experts_layout import EXPERT_BLOCKS, published
 from .gptq import ROUNDING_OPTIONS, gptq_rotated
 from .modules import (
     TurboQuantExperts,
@@ -148,7 +149,7 @@ class InputHessians:
     expert of fused experts modules. Both `collect_input_hessians` (one block) and the bit budget's statistics
     (`budget.collect_statistics`, the whole model) use it."""
 
-    def __init__(self, linears: dict[str, nn.Module], experts: dict[str, tuple[nn.Module, str]]):
+    def __init__(self, linears: dict[str, nn.Module], experts: dict[str, tuple[nn.Module, planning.ExpertsPlan]]):
         self.linears, self.experts = linears, experts
         self.hessians: dict[str, torch.Tensor] = {}
         self.owner: dict[str, str] = {}  # module -> the module whose Hessian it shares
@@ -159,8 +160,8 @@ class InputHessians:
         self.handles = []
         for name, module in self.linears.items():
             self.handles.append(module.register_forward_pre_hook(self._linear_hook(name)))
-        for name, (module, activation) in self.experts.items():
-            self.handles.append(module.register_forward_pre_hook(self._experts_hook(name, module, activation),
+        for name, (module, plan) in self.experts.items():
+            self.handles.append(module.register_forward_pre_hook(self._experts_hook(name, module, plan),
                                                                  with_kwargs=True))
         return self
 
@@ -189,33 +190,28 @@ class InputHessians:
                     self.hessians[name] = h
         return hook
 
-    def _experts_hook(self, name, module, activation):
-        act = getattr(module, "act_fn", None) or ACTIVATIONS[activation]
+    def _experts_hook(self, name, module, plan: planning.ExpertsPlan):
+        lay = plan.layout
+        gate_up = published(module.gate_up_proj, lay)  # [E, 2I, H] whatever the storage
+        bias = module.gate_up_proj_bias if lay.bias else None
 
         def hook(mod, args, kwargs):
-            values = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights")
-                                   if k in kwargs]
-            hs, top_k_index = values[0], values[1]
-            hs = hs.detach().reshape(-1, hs.shape[-1]).float()
-            gate_up = module.gate_up_proj
+            values = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "router_indices") if k in kwargs]
             e, two_i, h = gate_up.shape
             if name not in self.expert_hessians:
-                dev = hs.device
+                dev = values[0].device
                 self.expert_hessians[name] = [torch.zeros(e, h, h, device=dev), torch.zeros(e, two_i // 2, two_i // 2,
                                                                                              device=dev),
                                               torch.zeros(e, dtype=torch.int64)]
             hgu, hdn, counts = self.expert_hessians[name]
-            routed = top_k_index.reshape(hs.shape[0], -1)
-            for expert in range(e):
-                tokens = (routed == expert).any(-1).nonzero().squeeze(1)
-                if tokens.numel() == 0:
-                    continue
-                x = hs[tokens]
+            for expert, x in _expert_inputs(values, lay, e):
                 hgu[expert] += x.t() @ x
-                gate, up = (x @ gate_up[expert].float().t()).chunk(2, dim=-1)
-                inner = act(gate) * up
+                gu = x @ gate_up[expert].float().t()
+                if bias is not None:
+                    gu = gu + bias[expert].float()
+                inner = gated(gu, plan.activation, lay.interleaved, lay.alpha, lay.limit)
                 hdn[expert] += inner.t() @ inner
-                counts[expert] += tokens.numel()
+                counts[expert] += x.shape[0]
         return hook
 
     def hessian(self, name: str) -> torch.Tensor:
@@ -233,6 +229,25 @@ def collect_input_hessians(block: nn.Module, hidden: list, calls: list, linears:
             acc.new_batch()
             _run_block(block, hs, call)
     return acc
+
+
+def _expert_inputs(values: list, layout, e: int):
+    """(expert, its input rows (n, H) float32) for each expert with inputs in an experts forward's arguments `values`:
+    the tokens routed to it (hidden states, top-k indices), or with `EXPERT_BLOCKS` inputs the nonzero rows of its
+    block."""
+    hs = values[0].detach().reshape(-1, values[0].shape[-1]).float()
+    if layout.inputs == EXPERT_BLOCKS:
+        blocks = hs.view(e, -1, hs.shape[-1])
+        for expert in range(e):
+            rows = blocks[expert][blocks[expert].ne(0).any(-1)]
+            if rows.shape[0]:
+                yield expert, rows
+        return
+    routed = values[1].reshape(hs.shape[0], -1)
+    for expert in range(e):
+        tokens = (routed == expert).any(-1).nonzero().squeeze(1)
+        if tokens.numel():
+            yield expert, hs[tokens]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,9 +273,19 @@ def _install_experts(model, name: str, plan: planning.ExpertsPlan, gate_up, down
     new: TurboQuantExperts = model.get_submodule(name)
     new.gate_up_proj.load_packed_(*gate_up)
     new.down_proj.load_packed_(*down)
-    for attr in ("gate_up_proj", "down_proj"):  # the replaced module keeps its shapes only (for dequantize())
+    biases = ("gate_up_proj_bias", "down_proj_bias") if plan.layout.bias else ()
+    for attr in biases:
+        setattr(new, attr, nn.Parameter(getattr(old, attr).detach().clone(), requires_grad=False))
+    for attr in ("gate_up_proj", "down_proj", *biases):  # the replaced module keeps its shapes only (for dequantize())
         p = getattr(old, attr)
         setattr(old, attr, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+
+
+def _experts_weights(module, plan: planning.ExpertsPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (gate_up [E, 2I, H], down [E, H, I]) matrices of a float experts module, one row per output channel
+    whatever its storage (`experts_layout.published`)."""
+    return (published(module.gate_up_proj.detach(), plan.layout),
+            published(module.down_proj.detach(), plan.layout))
 
 
 def _quantize_experts(module, hessians, plan: planning.ExpertsPlan, damping: float, options: dict):
@@ -268,8 +293,9 @@ def _quantize_experts(module, hessians, plan: planning.ExpertsPlan, damping: flo
     hgu, hdn, counts = hessians
     pooled = (hgu.sum(0), hdn.sum(0))
     out = []
-    for weight, per_expert, pool, bits in ((module.gate_up_proj, hgu, pooled[0], plan.gate_up_bits),
-                                           (module.down_proj, hdn, pooled[1], plan.down_bits)):
+    gate_up, down = _experts_weights(module, plan)
+    for weight, per_expert, pool, bits in ((gate_up, hgu, pooled[0], plan.gate_up_bits),
+                                           (down, hdn, pooled[1], plan.down_bits)):
         packed, norms = [], []
         for e in range(weight.shape[0]):
             w = weight[e].detach()
@@ -296,9 +322,9 @@ def rtn_quantize(model: nn.Module, plan: planning.Plan) -> None:
         w = _linear_weight(model.get_submodule(name))
         _install_linear(model, name, p, *codec.quantize_weight(w, p.bits, p.group_size, name=name))
     for name, p in plan.experts.items():
-        m = model.get_submodule(name)
-        _install_experts(model, name, p, codec.quantize_weight(m.gate_up_proj.detach(), p.gate_up_bits, p.group_size),
-                         codec.quantize_weight(m.down_proj.detach(), p.down_bits, p.group_size))
+        gate_up, down = _experts_weights(model.get_submodule(name), p)
+        _install_experts(model, name, p, codec.quantize_weight(gate_up, p.gate_up_bits, p.group_size),
+                         codec.quantize_weight(down, p.down_bits, p.group_size))
 
 
 @torch.no_grad()
@@ -376,7 +402,7 @@ def calibrate_block(model, block, hidden, calls, linears: dict, experts: dict, d
     on its inputs, quantize them and install the TurboQuant modules in `model`. Returns {Linear name: (packed,
     norms)} and {experts name: ((gate_up packed, norms), (down packed, norms))}, norms float32."""
     modules = {n: model.get_submodule(n) for n in linears}
-    experts_modules = {n: (model.get_submodule(n), p.activation) for n, p in experts.items()}
+    experts_modules = {n: (model.get_submodule(n), p) for n, p in experts.items()}
     acc = collect_input_hessians(block, hidden, calls, modules, experts_modules)
     results = {}
     shared: dict = {}  # modules with one Hessian, bit width and group size: quantized as one stacked weight
@@ -401,8 +427,9 @@ def calibrate_block(model, block, hidden, calls, linears: dict, experts: dict, d
         if n in acc.expert_hessians:
             results[n] = _quantize_experts(module, acc.expert_hessians[n], p, damping, options)
         else:  # never reached by a token
-            results[n] = (codec.quantize_weight(module.gate_up_proj.detach(), p.gate_up_bits, p.group_size),
-                          codec.quantize_weight(module.down_proj.detach(), p.down_bits, p.group_size))
+            gate_up, down = _experts_weights(module, p)
+            results[n] = (codec.quantize_weight(gate_up, p.gate_up_bits, p.group_size),
+                          codec.quantize_weight(down, p.down_bits, p.group_size))
     del acc
     for name, p in linears.items():
         _install_linear(model, name, p, *results[name])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .experts_layout import stored
 from .fusion import unfuse_projections
 from .modules import TurboQuantExperts, TurboQuantLinear
 
@@ -43,9 +44,15 @@ def restore_plain_modules(model: nn.Module, dtype: torch.dtype) -> int:
                 gate_up = torch.cat([gate, up], dim=1)
             else:
                 gate_up = module.gate_up_proj.dequantize(dtype).view(module.gate_up_proj.source_shape)
-            plain.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-            plain.down_proj = nn.Parameter(module.down_proj.dequantize(dtype).view(module.down_proj.source_shape),
-                                           requires_grad=False)
+            down = module.down_proj.dequantize(dtype).view(module.down_proj.source_shape)
+            layout = module.layout
+            # back in the module's own storage: [E, in, out] where it is transposed, biases beside the weights
+            for attr, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+                w = stored(w, layout).contiguous()
+                setattr(plain, attr, nn.Parameter(w, requires_grad=False))
+            if layout.bias:
+                for attr in ("gate_up_proj_bias", "down_proj_bias"):
+                    setattr(plain, attr, nn.Parameter(getattr(module, attr).detach().to(dtype), requires_grad=False))
         else:
             continue
         model.set_submodule(name, plain)

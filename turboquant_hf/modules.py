@@ -15,6 +15,9 @@ from . import codec
 from . import format as fmt
 from . import layout
 from . import ops  # noqa: F401  (registers torch.ops.turboquant)
+from .activations import CLAMPED_SWIGLU, check_activation
+from .experts_layout import (DEFAULT_LAYOUT, EXPERT_BLOCKS, ExpertsLayout, fused_experts_geometry,  # noqa: F401
+                             stored_shape)
 from . import kernels  # noqa: F401,I001  (after ops: registers the Triton kernels as their CUDA implementations)
 from . import rotation as rotation_
 
@@ -95,7 +98,8 @@ class TurboQuantWeight(nn.Module):
         # While a full-precision checkpoint loads, the state dict advertises the source tensor (its parent's
         # name for it, e.g. `q_proj.weight`) in this dtype, so the loader hands it to the quantize op.
         self.awaiting_dtype: torch.dtype | None = None
-        # The source is stored `(in, out)` (GPT-2's `Conv1D`): transposed before it is quantized.
+        # The source is stored `(in, out)` (GPT-2's `Conv1D`) or `(E, in, out)` (transposed experts): its last two
+        # dimensions are swapped before it is quantized.
         self.source_transposed = False
 
     # `tensor_parallel.ShardSpec` when this holds one tensor-parallel rank's slice of the weight
@@ -104,8 +108,8 @@ class TurboQuantWeight(nn.Module):
     @property
     def checkpoint_shape(self) -> tuple:
         """The shape of the full-precision tensor in a checkpoint (the whole weight's, for a tensor-parallel slice)."""
-        shape = self.tp_shard.full_shape if self.tp_shard is not None else self.source_shape
-        return shape[::-1] if self.source_transposed else shape
+        shape = tuple(self.tp_shard.full_shape if self.tp_shard is not None else self.source_shape)
+        return shape[:-2] + (shape[-1], shape[-2]) if self.source_transposed else shape
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -326,10 +330,14 @@ class TurboQuantLinear(nn.Module):
 class TurboQuantExperts(nn.Module):
     """Routed MoE experts with TurboQuant-packed fused weights.
 
-    Replaces a transformers experts module holding `gate_up_proj` `[E, 2I, H]` and `down_proj` `[E, H, I]`;
-    its children `gate_up_proj` and `down_proj` give the published names
-    (`...experts.gate_up_proj.tq_packed`, rows expert-major, each expert's gate rows before its up rows).
-    `forward(hidden_states, top_k_index, top_k_weights)` computes only the routed experts.
+    Replaces a transformers experts module; its children `gate_up_proj` and `down_proj` give the published names
+    (`...experts.gate_up_proj.tq_packed`). Whatever the module's `layout` (`experts_layout.ExpertsLayout`), each
+    packed matrix holds one row per output channel over the input dimension: `gate_up_proj` `[E, 2I, H]` (each
+    expert's gate rows before its up rows, or with `layout.interleaved` alternating as transformers stores them),
+    `down_proj` `[E, H, I]`; a transposed (`[E, in, out]`) source is transposed before it is quantized. With
+    `layout.bias` it holds `gate_up_proj_bias` `[E, 2I]` and `down_proj_bias` `[E, H]` in full precision (the names
+    transformers gives them). `forward(hidden_states, top_k_index, top_k_weights)` computes only the routed experts;
+    with `layout.inputs == EXPERT_BLOCKS` (Llama 4), `forward(hidden_states)` over the `(E*T, H)` expert blocks.
 
     With `rotation="hadamard"` (turboquant-mlx checkpoints, whose gate and up projections each carry their own
     rotation signs and codebook) the children are `gate_proj` `[E, I, H]`, `up_proj` `[E, I, H]` and `down_proj`
@@ -348,15 +356,19 @@ class TurboQuantExperts(nn.Module):
         device=None,
         norms_dtypes: tuple = (None, None),
         rotation: str = "groups",
+        layout: ExpertsLayout = DEFAULT_LAYOUT,
+        dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
-        if activation not in ops.ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not supported (supported: {', '.join(ops.ACTIVATIONS)})")
+        check_activation(activation, layout.limit)
+        if rotation == "hadamard" and layout != DEFAULT_LAYOUT:
+            raise ValueError("experts with a whole-row Hadamard rotation (turboquant-mlx) have the default layout only")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.rotation = rotation
+        self.layout = layout
         if rotation == "hadamard":
             gate_bits, up_bits = gate_up_bits if isinstance(gate_up_bits, (tuple, list)) else (gate_up_bits,) * 2
             dtypes = tuple(norms_dtypes) + (None,) * (3 - len(norms_dtypes))
@@ -372,12 +384,19 @@ class TurboQuantExperts(nn.Module):
                                              group_size, device=device, norms_dtype=norms_dtypes[0])
         self.down_proj = TurboQuantWeight((num_experts, hidden_size, intermediate_size), down_bits, group_size,
                                           device=device, norms_dtype=norms_dtypes[1])
+        self.gate_up_proj.source_transposed = self.down_proj.source_transposed = layout.transposed
+        if layout.bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, dtype=dtype,
+                                                              device=device), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
+                                               requires_grad=False)
 
     @property
     def group_size(self) -> int:
         return (self.gate_proj if self.rotation == "hadamard" else self.gate_up_proj).group_size
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None):
         if self.rotation == "hadamard":
             g, u, d = self.gate_proj, self.up_proj, self.down_proj
             return torch.ops.turboquant.hadamard_moe_experts(
@@ -387,40 +406,64 @@ class TurboQuantExperts(nn.Module):
                 d.tq_packed, d.tq_norms, d.kernel_codebook(), d.tq_signs,
                 self.num_experts, self.activation,
             )
-        gu, dn = self.gate_up_proj, self.down_proj
+        if self.layout.inputs == EXPERT_BLOCKS:
+            return self._expert_blocks(hidden_states)
+        if top_k_index is None or top_k_weights is None:
+            raise TypeError("TurboQuantExperts.forward needs hidden_states, top_k_index and top_k_weights")
+        return self._routed(hidden_states, top_k_index, top_k_weights)
+
+    def _routed(self, hidden_states, top_k_index, top_k_weights):
+        gu, dn, lay = self.gate_up_proj, self.down_proj, self.layout
         device = gu.tq_packed.device
         cb_gu, s1, s2 = format_constants(gu.n_levels, gu.group_size, device, gu.runtime_layout)
+        biases = (self.gate_up_proj_bias, self.down_proj_bias) if lay.bias else (None, None)
         return torch.ops.turboquant.moe_experts(
             hidden_states, top_k_index, top_k_weights,
             gu.tq_packed, gu.tq_norms, cb_gu, dn.tq_packed, dn.tq_norms, dn.kernel_codebook(),
             s1, s2, gu.group_size, self.num_experts, self.activation,
+            *biases, lay.interleaved, lay.alpha, lay.limit,
         )
 
+    def _expert_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Llama 4's convention (`EXPERT_BLOCKS`): `(E*T, H)` rows, expert e's block of T rows holding the tokens it
+        receives (zero rows where the router did not pick it) -> each row's expert output. Each token's nonzero rows
+        (at most `layout.top_k`: Llama 4's router gives a token `num_experts_per_tok` nonzero scores) are gathered
+        into routed pairs, one row each, for the routed op; rows not computed are zero, as the expert's output for a
+        zero row is (no biases). No host synchronisation."""
+        e = self.num_experts
+        rows, h = hidden_states.shape
+        if rows % e:
+            raise ValueError(f"expert-block inputs need a multiple of {e} rows (one block per expert), got {rows}")
+        t = rows // e
+        k = min(self.layout.top_k or e, e)
+        live = hidden_states.view(e, t, h).ne(0).any(-1).t().to(torch.int8)  # (T, E): the experts each token reaches
+        reached, experts = live.topk(k, dim=1, sorted=False)
+        experts = torch.where(reached > 0, experts, e)  # (e: "no expert", computed as zeros)
+        src = experts.clamp(max=e - 1) * t + torch.arange(t, device=experts.device)[:, None]  # each pair's row
+        src = src.reshape(-1)
+        ones = torch.ones(src.numel(), 1, dtype=torch.float32, device=hidden_states.device)
+        y = self._routed(hidden_states[src], experts.reshape(-1, 1), ones)
+        return torch.zeros_like(hidden_states).index_add_(0, src, y)
+
     def extra_repr(self) -> str:
-        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+        text = (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation}")
-
-
-def fused_experts_geometry(module: nn.Module) -> tuple[int, int, int] | None:
-    """(E, H, I) of a transformers fused-experts module (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), else None."""
-    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3 or dn.dim() != 3:
-        return None
-    e, two_i, h = gu.shape
-    if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2) or getattr(module, "is_transposed", False):
-        return None
-    if any(isinstance(getattr(module, n, None), torch.Tensor) for n in ("gate_up_proj_bias", "down_proj_bias")):
-        return None
-    return e, h, two_i // 2
+        if self.layout != DEFAULT_LAYOUT:
+            text += f", layout={self.layout.describe()}"
+        if self.activation == CLAMPED_SWIGLU:
+            text += f", alpha={self.layout.alpha}, limit={self.layout.limit}"
+        return text
 
 
 def replace_experts_modules(model: nn.Module, plan: dict, awaiting_weights: bool) -> int:
     """Swap each experts module named in `plan` (`{name: planning.ExpertsPlan}`) for a TurboQuantExperts."""
     for name, p in plan.items():
         old = model.get_submodule(name)
-        e, h, i = fused_experts_geometry(old)
-        new = TurboQuantExperts(e, h, i, p.gate_up_bits, p.down_bits, p.group_size, p.activation,
-                                device=old.gate_up_proj.device, norms_dtypes=p.norms_dtypes, rotation=p.rotation)
+        e, two_i, h = stored_shape(old.gate_up_proj.shape, p.layout)
+        bias = getattr(old, "gate_up_proj_bias", None) if p.layout.bias else None
+        new = TurboQuantExperts(e, h, two_i // 2, p.gate_up_bits, p.down_bits, p.group_size, p.activation,
+                                device=old.gate_up_proj.device, norms_dtypes=p.norms_dtypes, rotation=p.rotation,
+                                layout=p.layout, dtype=bias.dtype if bias is not None else torch.float32)
         if awaiting_weights:
             new.gate_up_proj.awaiting_dtype = old.gate_up_proj.dtype
             new.down_proj.awaiting_dtype = old.down_proj.dtype

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import codec, layout, rotation
-from .activations import ACTIVATIONS
+from .activations import ACTIVATIONS, check_activation, gated
 from .routing import expert_groups, routed_groups, sort_routing  # noqa: F401  (re-exported: ops.expert_groups)
 
 # Bound on the float32 weight block the reference materialises per step.
@@ -168,18 +168,24 @@ def turboquant_moe_experts(
     group_size: int,
     num_experts: int,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    interleaved: bool = False,
+    alpha: float = 1.0,
+    limit: float = 0.0,
 ) -> torch.Tensor:
-    """Routed experts: for each token, sum over its top-k experts of weight * down(act(gate) * up).
+    """Routed experts: for each token, sum over its top-k experts of weight * (down(gated(gate_up(x) + b_gu)) + b_d).
 
-    `gate_up` holds `num_experts * 2I` rows (each expert's gate rows, then its up rows) over the hidden
-    size; `down` holds `num_experts * H` rows over I. Only the experts some token was routed to are read.
+    `gate_up` holds `num_experts * 2I` rows over the hidden size (each expert's gate rows, then its up rows; with
+    `interleaved` alternating gate, up, gate, ...); `down` holds `num_experts * H` rows over I. `gate_up_bias`
+    `(E, 2I)` (in the rows' order) and `down_bias` `(E, H)` are optional; `gated` is `activations.gated` with
+    `activation` (`alpha`, `limit`: the clamped SwiGLU's). Only the experts some token was routed to are read.
     """
+    check_activation(activation, limit)
     t, h = hidden.shape
     gu_rows = gate_up_norms.shape[0] // num_experts
-    inter = gu_rows // 2
     ng_h = gate_up_norms.shape[1]
     ng_i = down_norms.shape[1]
-    act = ACTIVATIONS[activation]
     s1, s2 = signs1.float(), signs2.float()
     x_rot = rotate_activations(hidden, s1, s2, group_size)  # once per token, shared by all its experts
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
@@ -191,7 +197,9 @@ def turboquant_moe_experts(
             gate_up_codebook.float(),
             group_size,
         )
-        mid = act(gu[:, :inter]) * gu[:, inter:]
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[e].float()
+        mid = gated(gu, activation, interleaved, alpha, limit)
         y = codebook_matmul(
             rotate_activations(mid, s1, s2, group_size),
             down_packed[e * h * ng_i : (e + 1) * h * ng_i],
@@ -199,36 +207,44 @@ def turboquant_moe_experts(
             down_codebook.float(),
             group_size,
         )
+        if down_bias is not None:
+            y = y + down_bias[e].float()
         out.index_add_(0, tok, y * top_k_weights[tok, slot, None].float())
     return out.to(hidden.dtype)
 
 
 @torch.library.register_fake("turboquant::moe_experts")
 def _(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed, down_norms,
-      down_codebook, signs1, signs2, group_size, num_experts, activation):
+      down_codebook, signs1, signs2, group_size, num_experts, activation, gate_up_bias=None, down_bias=None,
+      interleaved=False, alpha=1.0, limit=0.0):
     return torch.empty_like(hidden)
+
+
+_TENSOR = object()  # (stands for a saved tensor input in `_moe_setup_context`)
 
 
 def _moe_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))
-    ctx.settings = tuple(t for t in inputs if not isinstance(t, torch.Tensor))  # group_size, num_experts, activation
+    ctx.inputs = [_TENSOR if isinstance(t, torch.Tensor) else t for t in inputs]  # settings and absent biases
 
 
 def _moe_backward(ctx, grad):
-    """Gradients for the hidden states and the routing weights (the packed experts are frozen): the reference
-    forward again, with autograd, on the saved inputs."""
-    hidden, top_k_index, top_k_weights, *packed = ctx.saved_tensors
+    """Gradients for the hidden states and the routing weights (the packed experts and their biases are frozen): the
+    reference forward again, with autograd, on the saved inputs."""
+    saved = iter(ctx.saved_tensors)
+    inputs = [next(saved) if v is _TENSOR else v for v in ctx.inputs]
+    none = (None,) * len(inputs)
     with torch.enable_grad():
-        h = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
-        w = top_k_weights.detach().requires_grad_(ctx.needs_input_grad[2])
+        h = inputs[0].detach().requires_grad_(ctx.needs_input_grad[0])
+        w = inputs[2].detach().requires_grad_(ctx.needs_input_grad[2])
         wanted = [t for t in (h, w) if t.requires_grad]
         if not wanted:
-            return (None,) * 14
-        out = turboquant_moe_experts(h, top_k_index, w, *packed, *ctx.settings)
+            return none
+        out = turboquant_moe_experts(h, inputs[1], w, *inputs[3:])
         grads = iter(torch.autograd.grad(out, wanted, grad))
     gh = next(grads) if h.requires_grad else None
     gw = next(grads) if w.requires_grad else None
-    return (gh, None, gw) + (None,) * 11
+    return (gh, None, gw) + none[3:]
 
 
 torch.library.register_autograd("turboquant::moe_experts", _moe_backward, setup_context=_moe_setup_context)

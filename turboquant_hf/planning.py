@@ -23,8 +23,8 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import format as fmt
-from .activations import ACTIVATIONS
 from .config import DEFAULT_MODULES_TO_NOT_CONVERT, TurboQuantConfig
+from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, UnsupportedExperts, read_experts, stored_shape
 from .modules import fused_experts_geometry, is_conv1d, linear_kind, replace_experts_modules, replace_linear_modules
 
 GROUPS = "groups"  # rotation per quantization group (tq3_native)
@@ -43,7 +43,9 @@ class LinearPlan:
 
 @dataclass(frozen=True)
 class ExpertsPlan:
-    """One fused experts module (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) replaced by `TurboQuantExperts`.
+    """One fused experts module replaced by `TurboQuantExperts`: `layout` says how transformers stores and applies
+    it (`experts_layout.ExpertsLayout`; the default: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], gate rows
+    then up rows, no biases).
 
     With whole-row rotation (MLX) gate and up may differ: `gate_up_bits` is then a (gate, up) pair, `group_size`
     a `{projection: G}` dict and `norms_dtypes` has three entries (gate, up, down)."""
@@ -54,6 +56,7 @@ class ExpertsPlan:
     activation: str
     norms_dtypes: tuple = (None, None)
     rotation: str = GROUPS
+    layout: ExpertsLayout = DEFAULT_LAYOUT
 
 
 @dataclass
@@ -117,10 +120,21 @@ def head_modules(model) -> set[str]:
     return {h for h in heads if h}
 
 
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def activation_of(model) -> str:
     """The MLP activation of a model (its text config's `hidden_act` / `hidden_activation`)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+
+
+def experts_form(model, module):
+    """`experts_layout.read_experts` of an experts module of `model`, with the model's activation and experts per
+    token; raises `UnsupportedExperts` with the reason."""
+    top_k = getattr(_text_config(model), "num_experts_per_tok", None)
+    return read_experts(module, activation_of(model), top_k if isinstance(top_k, int) else 0)
 
 
 def checkpoint_to_model_keys(model, keys, meta=None) -> dict[str, str]:
@@ -142,7 +156,6 @@ def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
     """The plan of quantizing `model` with `config`: every `nn.Linear` and fused experts module not skipped."""
     skip = skip_patterns(model, config)
     fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    activation = activation_of(model)
     tied = tied_linears(model)
     plan = Plan()
     for name, module in model.named_modules():
@@ -161,17 +174,16 @@ def from_config(model, config: TurboQuantConfig, logger=None) -> Plan:
                 continue
             plan.linears[name] = LinearPlan(config.bits_for(name), config.group_size)
         elif name.rpartition(".")[2] == "experts" and not isinstance(module, nn.ModuleList):
-            if fused_experts_geometry(module) is None or activation not in ACTIVATIONS:
+            try:
+                form = experts_form(model, module)
+            except UnsupportedExperts as e:
                 if logger is not None:
-                    logger.warning(
-                        "TurboQuant: %s (%s) is not in the fused-experts layout this version quantizes "
-                        "(gate_up_proj [E, 2I, H], down_proj [E, H, I], activation one of %s; found %s); "
-                        "it stays in full precision",
-                        name, type(module).__name__, ", ".join(ACTIVATIONS), activation,
-                    )
+                    logger.warning("TurboQuant: %s (%s) stays in full precision: %s (docs/moe.md lists the expert "
+                                   "layouts this version quantizes)", name, type(module).__name__, e)
                 continue
             plan.experts[name] = ExpertsPlan(config.bits_for(name + ".gate_up_proj"),
-                                             config.bits_for(name + ".down_proj"), config.group_size, activation)
+                                             config.bits_for(name + ".down_proj"), config.group_size, form.activation,
+                                             layout=form.layout)
     return plan
 
 
@@ -218,8 +230,8 @@ def from_checkpoint(model, index: dict, config: TurboQuantConfig) -> Plan:
         packed_keys = [k for k in packed_keys if k not in set(hadamard_keys)]
     group_size = config.group_size
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
-    activation = activation_of(model)
     experts_keys: dict[str, dict] = {}
+    forms: dict = {}
     for key, model_key in checkpoint_to_model_keys(model, packed_keys, meta).items():
         if model_key not in meta:
             if any(p.search(key) or p.search(model_key) for p in ignore):
@@ -234,6 +246,10 @@ def from_checkpoint(model, index: dict, config: TurboQuantConfig) -> Plan:
         source_shape = tuple(meta[model_key].shape)
         if is_conv1d(owner) and attr == "weight":
             source_shape = source_shape[::-1]  # stored (in, out)
+        form = _checkpoint_experts_form(model, owner_name, owner, forms) if attr in ("gate_up_proj", "down_proj") \
+            else None
+        if form is not None:
+            source_shape = stored_shape(source_shape, form.layout)  # packed [E, out, in] whatever the storage
         rows = 1
         for d in source_shape[:-1]:
             rows *= d
@@ -241,7 +257,7 @@ def from_checkpoint(model, index: dict, config: TurboQuantConfig) -> Plan:
         bits = fmt.bits_for_levels(n_levels)
         if linear_kind(owner) in ("linear", "conv1d") and attr == "weight":
             plan.linears[owner_name] = LinearPlan(bits, group_size, norms_dtype)
-        elif attr in ("gate_up_proj", "down_proj") and fused_experts_geometry(owner) is not None:
+        elif form is not None:
             experts_keys.setdefault(owner_name, {})[attr] = (key, bits, norms_dtype)
         elif len(source_shape) == 2:
             plan.dequantize_into[model_key] = key
@@ -260,11 +276,25 @@ def from_checkpoint(model, index: dict, config: TurboQuantConfig) -> Plan:
                     f"checkpoint is missing {other.rpartition('.')[0]}.{attr}{fmt.PACKED_SUFFIX} "
                     f"(needed for the quantized experts {name})"
                 )
-        if activation not in ACTIVATIONS:
-            raise ckpt.CheckpointError(f"{name}: activation {activation!r} is not supported by TurboQuantExperts")
-        plan.experts[name] = ExpertsPlan(parts["gate_up_proj"][1], parts["down_proj"][1], group_size, activation,
-                                         (parts["gate_up_proj"][2], parts["down_proj"][2]))
+        form = forms[name]
+        plan.experts[name] = ExpertsPlan(parts["gate_up_proj"][1], parts["down_proj"][1], group_size, form.activation,
+                                         (parts["gate_up_proj"][2], parts["down_proj"][2]), layout=form.layout)
     return plan
+
+
+def _checkpoint_experts_form(model, name: str, owner, forms: dict):
+    """The form of the experts module `name` that a checkpoint holds packed tensors of (cached in `forms`), or None
+    where `owner` is no fused experts module; an experts module in a form TurboQuant does not compute is an error
+    naming the reason."""
+    if name not in forms:
+        if not isinstance(getattr(owner, "gate_up_proj", None), torch.Tensor):
+            forms[name] = None
+        else:
+            try:
+                forms[name] = experts_form(model, owner)
+            except UnsupportedExperts as e:
+                raise ckpt.CheckpointError(f"{name}: the checkpoint holds its experts packed, but {e}") from e
+    return forms[name]
 
 
 def _check_pairs(index: dict) -> None:
@@ -378,5 +408,6 @@ def from_headers(config_dict: dict, tensors: dict, config: TurboQuantConfig) -> 
             out[name] = (owner, plan.linears[owner].bits, shape[0], shape[1])
         elif owner in plan.experts and attr in ("gate_up_proj", "down_proj") and len(shape) == 3:
             p = plan.experts[owner]
-            out[name] = (owner, p.down_bits if attr == "down_proj" else p.gate_up_bits, shape[0] * shape[1], shape[2])
+            e, rows, width = stored_shape(shape, p.layout)  # (packed [E, out, in], whatever the storage)
+            out[name] = (owner, p.down_bits if attr == "down_proj" else p.gate_up_bits, e * rows, width)
     return out

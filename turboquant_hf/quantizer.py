@@ -43,8 +43,8 @@ class QuantizeOnLoad(ConversionOps):
                 )
                 continue
             value = tensor_parallel.local_source(target, value)  # one rank's slice under tensor parallelism
-            if target.source_transposed:
-                value = value.t()
+            if target.source_transposed:  # (in, out) or (E, in, out): quantized as (out, in) rows
+                value = value.transpose(-1, -2)
             try:
                 packed, norms = codec.quantize_weight(value, target.bits, target.group_size, name=key)
             except ValueError as e:

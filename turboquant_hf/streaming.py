@@ -271,6 +271,10 @@ class StreamingQuantizer(_QuantizerBase):
         for name, w in targets.items():
             if getattr(w, "rotation", "groups") != "groups":
                 raise ConversionError(f"{name}: the streaming converter writes the {fmt.FORMAT_NAME} layout only")
+            if w.source_transposed and len(w.source_shape) == 3:
+                raise ConversionError(
+                    f"{name}: experts stored [E, in, out] (gpt-oss, Llama 4) are not streamed in this version; "
+                    "quantize them with from_pretrained and save_pretrained. Nothing was written")
         return targets
 
     def _plan(self, cfg: TurboQuantConfig, keep_dtype: str | None) -> list[_Unit]:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import format as fmt
+from .experts_layout import DEFAULT_LAYOUT
 from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight, group_linear
 
 ADDED_EXPERTS_STYLE = "turboquant_experts"  # the plan entry given to TurboQuant experts the plan does not name
@@ -266,6 +267,7 @@ def shard_linear_(module: TurboQuantLinear, style: str, mesh) -> TurboQuantLinea
 
 def shard_experts_(module: TurboQuantExperts, mesh) -> TurboQuantExperts:
     """Split every expert's intermediate width across ranks: gate and up rows, and down's input columns."""
+    _refuse_layout(module)
     rank, world, group = _mesh_info(mesh)
     if module.rotation != "groups":
         raise TensorParallelError(f"TurboQuant: {_name(module)} uses a whole-row Hadamard rotation "
@@ -281,6 +283,15 @@ def shard_experts_(module: TurboQuantExperts, mesh) -> TurboQuantExperts:
     module.__dict__["tp_intermediate"] = (start, stop)
     _sum_outputs_over_ranks(module, group)
     return module
+
+
+def _refuse_layout(module: TurboQuantExperts) -> None:
+    """Tensor and expert parallelism split experts in the default layout only (gate rows then up rows, no biases, the
+    routed forward): the splits above follow that layout."""
+    if module.layout != DEFAULT_LAYOUT:
+        raise TensorParallelError(f"TurboQuant: {_name(module)} holds its experts in a layout "
+                                  f"({module.layout.describe()}) that tensor and expert parallelism do not split in "
+                                  "this version; load it on one device or with a device_map")
 
 
 def _sum_outputs_over_ranks(module, group) -> None:
@@ -302,6 +313,7 @@ def shard_experts_by_expert_(module: TurboQuantExperts, mesh, all_reduce: bool =
     plan; from 5.21 the `ep_dispatch_experts` implementation does)."""
     from torch.distributed.tensor import Shard
 
+    _refuse_layout(module)
     rank, world, group = _mesh_info(mesh)
     e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
     if module.rotation != "groups":
