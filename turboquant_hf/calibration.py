@@ -18,10 +18,8 @@ against the input Hessians of real activations:
 
 An expert's projection uses its own Hessian when the expert saw at least as many routed tokens as the projection has
 inputs (and at least `min_expert_tokens`); otherwise the Hessian pooled over all experts of its layer
-(`expert_fallback="pooled"`, the default) or round-to-nearest (`"rtn"`). Measured on the tiny Qwen3.5-MoE of the tests
-(3-bit, G = 64, error on held-out routed tokens relative to round-to-nearest): with 128-512 routed tokens per expert
-the expert's own Hessian gave 1.05-1.11x, the pooled one 0.96-0.97x; with 16-64 tokens 2.0-2.4x and 1.8x (a Hessian
-of fewer tokens than inputs overfits).
+(`expert_fallback="pooled"`, the default) or round-to-nearest (`"rtn"`): a Hessian of fewer tokens than inputs
+overfits (benchmarks/QUALITY.md, Decisions).
 """
 
 from __future__ import annotations

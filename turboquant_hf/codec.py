@@ -609,8 +609,7 @@ _SCRATCH = threading.local()
 def decode_scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A CPU buffer of at least `numel` elements of `dtype`, kept per thread for the reference product's weight
     blocks: a fresh multi-megabyte allocation on every call is mapped from the system and page-faulted again each
-    time, which costs more than decoding the weight (SmolLM2-135M's 1536x576 3-bit block: 4.5 ms a call with new
-    buffers, under 1 ms with a reused one, 2-core x86_64)."""
+    time, which costs more than decoding the weight (benchmarks/CPU_DECODE.md)."""
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:
         bufs = _SCRATCH.bufs = {}

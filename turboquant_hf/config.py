@@ -52,12 +52,10 @@ class CalibrationConfig:
         tokenizer: the tokenizer for text data (default: the model's own, from the same source).
         options: further settings of the rounding, by name.
 
-    The defaults, 16 x 512 = 8192 tokens, are practical on a CPU. Measured on SmolLM2-135M at 3 bits (G = 128),
-    calibrated on other Shakespeare plays, mean KL to the float model on 4096 held-out tokens of Hamlet + Macbeth:
-    4 sequences 0.313, 8 0.269, 16 0.249 (round-to-nearest 1.371). The calibration's time is mostly the rounding
-    sweep, which does not grow with the data; what grows is the data-free mode's generation (about 7 s per
-    512-token sequence on one thread for that model: 16 in about 2 minutes, 128 in about 16) and the sensitivity
-    pass of a bit budget, which uses the same sequences.
+    The defaults, 16 x 512 = 8192 tokens, are practical on a CPU (quality and time by the number of sequences:
+    benchmarks/QUALITY.md). The calibration's time is mostly the rounding sweep, which does not grow with the data;
+    what grows is the data-free mode's generation and the sensitivity pass of a bit budget, which uses the same
+    sequences.
     """
 
     data: Any = DATA_FREE
