@@ -160,8 +160,9 @@ def test_arguments_without_a_key_take_tritons_path(fresh):
 _COMBINE = {"file": "moe.py", "name": "_combine_kernel",
             "args": {"y_ptr": ["tensor", "torch.float32", True], "pos_ptr": ["tensor", "torch.int32", True],
                      "w_ptr": ["tensor", "torch.float32", True], "out_ptr": ["tensor", "torch.bfloat16", True],
-                     "H": ["int", 128], "stride_y": ["int", 128], "stride_o": ["int", 128], "K": ["int", 3],
-                     "BC": ["int", 128]},
+                     "bias_ptr": ["tensor", "torch.float32", True], "idx_ptr": ["tensor", "torch.int32", True],
+                     "H": ["int", 128], "stride_y": ["int", 128], "stride_o": ["int", 128], "stride_b": ["int", 0],
+                     "K": ["int", 3], "BC": ["int", 128], "HAS_BIAS": ["bool", False]},
             "options": {"num_warps": 4}}
 
 
