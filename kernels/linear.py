@@ -23,39 +23,19 @@ import torch
 import triton
 
 from . import gemm, tuning
+from .configs import (_dot_config, _fma_config, _mid_config, _mma_block, _mma_serves, _pair_config,  # noqa: F401
+                      _rows_config, lut_levels, lut_unit, unit_geometry)
 from .gemv_fma import _gemv_fma_kernel
 from .gemv_mma import _gemv_dot_kernel, _gemv_mma_kernel
 from .gemv_pairs import _gemv_pair_kernel, _pack_pairs_kernel
-from .launch import cdiv, launch, next_power_of_2, triton_version
+from .launch import bind, cdiv, launch, memo, next_power_of_2, triton_version
 from .prefill import _dequant_kernel, _dequant_lut_kernel
 from .ptx import _HAS_GDC
 from .rotation import _rotate_kernel, _rotate_rows_kernel
 
 # ---------------------------------------------------------------------------
-# geometry of the packed units
+# the rotation of the activations
 # ---------------------------------------------------------------------------
-
-def unit_geometry(n_levels: int, group_size: int) -> dict:
-    """Constants that describe how one group's packed bytes split into units.
-
-    PER: indices per unit; WPU: 32-bit words per unit (0 = byte units, ternary);
-    UPG: units per group; UPG_P: UPG rounded up to a power of two;
-    PER_P: PER rounded up to a power of two (ternary 5 -> 8).
-    """
-    g = group_size
-    if n_levels == 3:
-        bpg = -(-g // 5)
-        return {"PER": 5, "PER_P": 8, "WPU": 0, "UPG": bpg, "UPG_P": next_power_of_2(bpg)}
-    if n_levels == 4:
-        per, wpu = 16, 1
-    elif n_levels == 8:
-        per, wpu = 32, 3
-    elif n_levels == 16:
-        per, wpu = 8, 1
-    else:
-        raise ValueError(f"unsupported codebook size {n_levels} (expected 3, 4, 8 or 16)")
-    return {"PER": per, "PER_P": per, "WPU": wpu, "UPG": g // per, "UPG_P": g // per}
-
 
 _HADAMARD: dict = {}
 
@@ -68,12 +48,6 @@ def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
         _HADAMARD[key] = codec.hadamard_matrix(g).to(dtype=dtype, device=device).contiguous()
     return _HADAMARD[key]
-
-
-def _rows_config(m: int, g: int) -> tuple[int, int]:
-    """(groups a program, warps) of the butterfly rotation: one warp over 256 inputs a program for one or two
-    rows, over 512 for more (more programs of less work each lose to the launch of their blocks)."""
-    return max(1, (256 if m <= 2 else 512) // g), 1
 
 
 def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_size: int,
@@ -93,10 +67,27 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     (`_rotate_rows_kernel`), above as a product with the +-1 matrix on the tensor cores (`_rotate_kernel`); the
     two agree within float32 rounding of the sums."""
     m, k = x2.shape
-    g = group_size
-    ng = -(-k // g)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    width, ng, dtype, pairs, rows, grid, bound, hmat = _rotate_plan(
+        m, k, group_size, x2.dtype, out_dtype, unit, mma_levels, mma_block, lane_unit, lane_block, x2.device)
+    out = torch.empty(m, width, dtype=dtype, device=x2.device)
+    xs = torch.empty(m, ng, dtype=torch.float32, device=x2.device) if pairs else out
+    if m:
+        scale = 1.0 / math.sqrt(group_size)
+        if rows:
+            bound(grid, x2, signs1, signs2, out, xs, k, ng, x2.stride(0), out.stride(0), xs.stride(0), scale)
+        else:
+            bound(grid, x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0), scale)
+    return (out.view(torch.int32), xs) if pairs else out
+
+
+@memo
+def _rotate_plan(m: int, k: int, g: int, x_dtype: torch.dtype, out_dtype: torch.dtype, unit: int, mma_levels: int,
+                 mma_block: int, lane_unit: int, lane_block: int, device: torch.device) -> tuple:
+    """`rotate`'s launch for these shapes and options: (padded width, groups, output dtype, pair layout, whether
+    the butterfly kernel runs, grid, bound kernel, the +-1 matrix of the tensor-core kernel or None)."""
+    ng = -(-k // g)
     pairs = unit > 0
     if mma_block and not mma_levels:
         raise ValueError("rotate: `mma_block` without `mma_levels`")
@@ -108,49 +99,20 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
         raise ValueError(f"rotate: blocks of {lane_block} inputs in lane order need groups that are a multiple of "
                          f"them (G = {g}) and four lanes of whole units of {lane_unit}")
     lkb, lper = (lane_block, lane_unit) if lane_unit else (0, 0)
-    out = torch.empty(m, ng * g, dtype=torch.float16 if pairs else out_dtype, device=x2.device)
-    xs = torch.empty(m, ng, dtype=torch.float32, device=x2.device) if pairs else out
-    if m == 0:
-        return (out.view(torch.int32), xs) if pairs else out
-    pdl = _pdl(x2.device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
+    dtype = torch.float16 if pairs else out_dtype
+    pdl = _pdl(device, ng * g, lut_levels(unit) if m == 1 else 0)  # (as the pair GEMV after it decides)
+    common = dict(PER_T=unit, NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb,
+                  MMA_PER=lut_unit(mma_levels) if mkb else 0, LANE_KB=lkb, LANE_PER=lper)
     if m <= tuning.ROWS_MAX_M:
         bg, warps = tuning.ROWS_CONFIG or _rows_config(m, g)
-        launch(_rotate_rows_kernel, (m, cdiv(ng, bg)), x2, signs1, signs2, out, xs, k, ng, x2.stride(0),
-               out.stride(0), xs.stride(0), 1.0 / math.sqrt(g), G=g, LG=g.bit_length() - 1, BG=bg, PER_T=unit,
-               NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
-               LANE_KB=lkb, LANE_PER=lper, num_warps=warps)
-        return (out.view(torch.int32), xs) if pairs else out
-    bm = tuning.ROTATE_BM or (64 if m > 16 and x2.dtype != torch.float32 else 16)
-    exact16 = x2.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
+        bound = bind(_rotate_rows_kernel, G=g, LG=g.bit_length() - 1, BG=bg, **common, num_warps=warps)
+        return ng * g, ng, dtype, pairs, True, (m, cdiv(ng, bg)), bound, None
+    bm = tuning.ROTATE_BM or (64 if m > 16 and x_dtype != torch.float32 else 16)
+    exact16 = x_dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     bc = min(g, 64 if exact16 else 32)
-    grid = (cdiv(m, bm), ng, g // bc)
-    hmat = _hadamard_pm1(g, x2.dtype if exact16 else torch.float32, x2.device)
-    launch(_rotate_kernel, grid, x2, signs1, signs2, out, hmat, xs, m, k, x2.stride(0), out.stride(0), xs.stride(0),
-           1.0 / math.sqrt(g), G=g, BM=bm, BC=bc, EXACT16=exact16, PER_T=unit,
-           NUT=(ng * g) // unit if unit else 0, PDL=pdl, MMA_KB=mkb, MMA_PER=lut_unit(mma_levels) if mkb else 0,
-           LANE_KB=lkb, LANE_PER=lper, num_warps=4)
-    return (out.view(torch.int32), xs) if pairs else out
-
-
-def _fma_config(n: int, ng: int, n_levels: int, g: int) -> tuple[int, int, int]:
-    """(BN, GPI, num_warps) for the FMA GEMV, from the weight shape only.
-
-    From a sweep (benchmarks/RESULTS.md): 8 rows per program below 8192 output
-    rows, 16 above; GPI (groups per step) gives each thread 128 weights per step (256 for 2- and
-    4-bit with 16 rows); ternary does best with 2 groups per step."""
-    geo = unit_geometry(n_levels, g)
-    g_eff = geo["UPG_P"] * geo["PER"]  # decoded slots per group (ternary pads 26 bytes to 32)
-    if n >= 8192:
-        bn, warps, per_thread = (16, 4, 128) if n_levels in (3, 8) else (16, 2, 256)
-    else:
-        bn, warps, per_thread = 8, 2, 128
-    if n_levels == 3 and n >= 8192:
-        gpi = max(1, 256 // g)
-    else:
-        gpi = max(1, (per_thread * 32 * warps) // (bn * g_eff))
-        gpi = 1 << (gpi.bit_length() - 1)
-    gpi = min(gpi, next_power_of_2(ng))
-    return bn, gpi, warps
+    hmat = _hadamard_pm1(g, x_dtype if exact16 else torch.float32, device)
+    bound = bind(_rotate_kernel, G=g, BM=bm, BC=bc, EXACT16=exact16, **common, num_warps=4)
+    return ng * g, ng, dtype, pairs, False, (cdiv(m, bm), ng, g // bc), bound, hmat
 
 
 def _with_mask(cfg: tuple, n_levels: int) -> tuple:
@@ -188,22 +150,6 @@ def gemv_fma(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     return out
 
 
-_LUT_UNITS = {16: 8, 8: 32, 4: 16}  # codebook size -> indices a unit
-
-
-def lut_unit(n_levels: int, group_size: int | None = None) -> int:
-    """Indices per unit of the byte-permute kernels (pair GEMV, lookup dequantization; 0: that codebook size,
-    or a group smaller than a unit, does not use them)."""
-    unit = _LUT_UNITS.get(n_levels, 0)
-    return 0 if group_size is not None and unit and group_size % unit else unit
-
-
-def lut_levels(unit: int) -> int:
-    """The codebook size whose indices come `unit` to a unit in the byte-permute kernels (the inverse of
-    `lut_unit`; 0 for any other unit, including 0)."""
-    return next((lv for lv, u in _LUT_UNITS.items() if u == unit and unit), 0)
-
-
 def pack_pairs(x_rot: torch.Tensor, unit: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated activations `(M, n_groups*G)` (any float dtype; a shorter row is zero-padded) -> the pair
     GEMV's `(x2, scales)`: int32 `(M, n_groups*G/2)` float16 pairs in unit order and float32 `(M, n_groups)`
@@ -219,46 +165,6 @@ def pack_pairs(x_rot: torch.Tensor, unit: int, group_size: int) -> tuple[torch.T
         launch(_pack_pairs_kernel, (m, ng), x_rot, out, xs, k, x_rot.stride(0), out.stride(0), xs.stride(0), G=g,
                GP=next_power_of_2(g), PER_T=unit, NUT=ng * g // unit, num_warps=4)
     return out.view(torch.int32), xs
-
-
-def _pair_config(n: int, nut: int, n_levels: int) -> tuple:
-    """(BN, num_warps[, maxnreg[, prefetch]]) of the pair GEMV from the weight shape (rows n, units per row nut)
-    and the codebook size, from whole-op sweeps (benchmarks/RESULTS.md). 3-bit: rows of 14336 inputs 4 rows of 2
-    warps, 8192 inputs 8 rows of 2 warps, 2048 inputs 8 rows of 2 warps loading each step's words a step ahead
-    (what a program loads first overlaps the rotation), 4096 inputs 8 rows of 4 warps (ahead as well for rows of
-    4096 outputs); 4-bit: 8 rows of 4 warps and a cap of 96 registers from 4096 inputs up, 16 rows below.
-    Weights of 2048 rows or fewer: 3- and 4-bit rows of 512 inputs or fewer 8 rows of 2 warps, a step ahead, 3-bit
-    rows up to 2048 inputs 4 rows of 4 warps, a step ahead. 2-bit (and ternary, which runs its codes): 8 rows of 4
-    warps, cap 96, except rows of 2048 inputs (8 rows of 2 warps a step ahead up to 8192 rows, of 4 warps above and
-    for 2048 rows or fewer), 16 rows for 16384 rows or more (2 warps at 4096 inputs, 4 at 8192), 4 rows of 4 warps
-    a step ahead at 14336 inputs. Programs of 2 or 4 activation rows run uncapped."""
-    k = nut * lut_unit(n_levels)
-    if n <= 2048:
-        if n_levels in (8, 16) and k <= 512:
-            return 8, 2, 128, 1
-        if n_levels == 8 and k <= 2048:
-            return 4, 4, 96, 1
-        if n_levels == 4 and 512 < k <= 2048:
-            return 8, 4, 96, 1
-        return (8, 4, 96) if k <= 512 else (4, 8, 64)
-    if n_levels == 16:
-        return (16, 4) if k <= 2048 else (8, 4, 96)
-    if n_levels == 8:
-        if k > 8192:
-            return 4, 2, 128
-        if k > 4096:
-            return 8, 2, 128
-        if k <= 2048:
-            return 8, 2, 128, 1
-        return (8, 4, 96, 1) if n <= 4096 else (8, 4, 96)
-    if n_levels == 4:
-        if k <= 2048:
-            return (8, 2, 128, 1) if n <= 8192 else (8, 4, 96, 1)
-        if k > 8192:
-            return 4, 4, 96, 1
-        if n >= 16384:
-            return (16, 2, 128) if k <= 4096 else (16, 4, 96)
-    return 8, 4, 96
 
 
 # The pair GEMV adds the float16 chains of GRP = PAIR_CHAIN / unit consecutive units (one 3-bit unit, two 2-bit,
@@ -282,8 +188,22 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     units a row takes per step, defaults to one per lane (32 * num_warps, at most the row, at least the units of
     32 indices); a power of two of at least the units of 32 indices (2 at 2 bits, 4 at 4 bits: the kernel adds
     their chains)."""
-    n_levels = codebook.numel()
     m, n, ng = _gemv_shape(x2, norms, experts, expert_index)
+    bound, grid = _pair_plan(m, n, ng, codebook.numel(), group_size, None if config is None else tuple(config),
+                             experts, x_div, packed.dtype, x2.shape[1], x2.device, _lanes_first())
+    out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    if m == 0 or n == 0:
+        return out
+    idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
+    bound(grid, x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, m, n, x2.stride(0), xs.stride(0),
+          out.stride(0))
+    return out
+
+
+@memo
+def _pair_plan(m: int, n: int, ng: int, n_levels: int, group_size: int, config, experts: int, x_div: int,
+               packed_dtype: torch.dtype, x_width: int, device: torch.device, lanes_first: bool) -> tuple:
+    """`gemv_pairs`' launch for these shapes and options: (bound kernel, grid)."""
     per = lut_unit(n_levels)
     if not per:
         raise ValueError(f"the pair GEMV serves 4-, 8- and 16-entry codebooks, not {n_levels}")
@@ -296,7 +216,7 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     if bm > 1 and config is None:
         cap = 0  # (more accumulators: no register cap)
     opts = {"maxnreg": cap} if cap else {}
-    pdl = _pdl(x2.device, 2 * x2.shape[1], n_levels if m == 1 and not experts else 0)
+    pdl = _pdl(device, 2 * x_width, n_levels if m == 1 and not experts else 0)
     if pdl:
         opts["launch_pdl"] = True
     grp = PAIR_CHAIN // per
@@ -307,17 +227,11 @@ def gemv_pairs(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, norms: 
     if bu < grp or bu & (bu - 1):
         raise ValueError(f"the pair GEMV's units a step must be a power of two of at least {grp} for a "
                          f"{n_levels}-entry codebook at G = {group_size}, not {bu}")
-    out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
-    if m == 0 or n == 0:
-        return out
-    idx = expert_index.reshape(-1) if experts else norms  # (unused when experts == 0)
-    launch(
-        _gemv_pair_kernel, (cdiv(n, bn), cdiv(m, bm)),
-        x2, xs, _packed_view(packed, 1), norms, _f32(codebook), out, idx, m, n, x2.stride(0), xs.stride(0),
-        out.stride(0), NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm, USE_ASM=not _interpreting(),
-        EXPERTS=experts, X_DIV=x_div, RUNTIME_LAYOUT=_runtime_layout(packed, n_levels, signed=True), PDL=pdl, PREFETCH=int(bool(prefetch)),
-        UT=_lanes_first(), GRP=grp, num_warps=warps, **opts)
-    return out
+    runtime = packed_dtype == torch.int32  # (`_runtime_layout`, signed)
+    bound = bind(_gemv_pair_kernel, NG=ng, NLEV=n_levels, UPG=upg, BN=bn, BU=bu, BM=bm, USE_ASM=not _interpreting(),
+                 EXPERTS=experts, X_DIV=x_div, RUNTIME_LAYOUT=runtime, PDL=pdl, PREFETCH=int(bool(prefetch)),
+                 UT=lanes_first, GRP=grp, num_warps=warps, **opts)
+    return bound, (cdiv(n, bn), cdiv(m, bm))
 
 
 # Triton before 3.7 orders the non-contiguous axes of a load's coalesced layout ascending, 3.7 and later from the
@@ -332,20 +246,6 @@ def _lanes_first() -> bool:
     if _LANES_FIRST is None:
         _LANES_FIRST = triton_version() < (3, 7)
     return _LANES_FIRST
-
-
-def _mma_block(n_levels: int, g: int) -> int:
-    """Inputs per dot (KB) of `_gemv_mma_kernel`: four lanes x R units, 128 (64 for G = 64 at 2 and 4 bits).
-    Smaller groups (3-bit units, 32 indices, at G = 64; any codebook below 64) make blocks of several groups,
-    the norms folded into the values; the kernel serves group sizes that divide KB or that KB divides."""
-    return 64 if g == 64 and n_levels != 8 else 128
-
-
-def _mma_serves(n_levels: int, g: int) -> bool:
-    """Whether `_gemv_mma_kernel` serves this codebook size and group size: a byte-permute lookup unit, and
-    groups that divide its block of inputs or that it divides."""
-    kb = _mma_block(n_levels, g)
-    return bool(lut_unit(n_levels, g)) and (g % kb == 0 or kb % g == 0)
 
 
 def mma_order(n_levels: int, g: int) -> bool:
@@ -377,66 +277,6 @@ def uses_x_order(n: int, ng: int, n_levels: int, g: int) -> bool:
     """Whether `linear` runs the tensor-core GEMV of an `(n, ng groups of g)` weight on activations in its own order
     (`X_ORDER`, `X_ORDER_MIN`, `mma_order`); from the weight shape only."""
     return tuning.X_ORDER and n * ng * g >= tuning.X_ORDER_MIN and mma_order(n_levels, g)
-
-
-def _dot_config(n: int, ng: int, n_levels: int, g: int, kb: int = 0) -> tuple:
-    """Launch configuration of the tensor-core GEMV, from the weight shape only (never from M).
-
-    2-, 3- and 4-bit (`_gemv_mma_kernel`): (BN, num_warps, num_stages, prefetch, maxnreg, blocks). Each program
-    takes BN weight rows and S = num_warps x blocks of the row's KB-input blocks per step, so that many
-    independent loads are in flight: S = 16 (4 warps of 4 blocks) below 8192 rows or for rows of at most 16
-    blocks (one step a row), 8 (2 warps of 4) below 16384,
-    else 4 (one warp of 4), BN = 16 below 8192 rows, else 32. 4-bit, whose two lookups a value hold more
-    registers (255 a thread at 2 warps of 4 blocks, 12.5 % occupancy under ncu), takes 4 warps: of 4 blocks
-    and 16 rows below 4096 rows, of 2 and 32 rows below 8192, else of 1 and 32 rows. S is halved (blocks
-    first, then warps) while it exceeds the row's blocks. Prefetch 1 (the next step's words a step ahead) for
-    rows of at least 16 blocks, else 2 (its activations and norms too); sweeps: benchmarks/RESULTS.md. One
-    stage: the loop is pipelined by hand, and Triton's pipelining would stage the operands
-    through shared memory. `kb`: the block (`mma_block`; 0: `_mma_block`); with wide blocks a warp takes half as
-    many blocks a step where the rule above gives 2 warps or 1 (the same inputs a step), the whole rule counted in default blocks.
-
-    Ternary (`_gemv_dot_kernel`): (BN, num_warps, num_stages); one stage: software pipelining would route
-    every codebook lookup through shared memory."""
-    base = _mma_block(n_levels, g)
-    kb = kb or base
-    if _mma_serves(n_levels, g):
-        nblk = -(-ng * g // kb)
-        if n_levels == 16:  # its lookups hold more registers: fewer blocks per warp, 4 warps
-            bn, warps, blocks = (16, 4, 4) if n < 4096 else (32, 4, 2) if n < 8192 else (32, 4, 1)
-        else:
-            bn = 16 if n < 8192 else 32
-            short = nblk * kb <= 16 * base  # (rows of at most 16 default blocks)
-            warps, blocks = (4, 4) if n < 8192 or short else (2, 4) if n < 16384 else (1, 4)
-            if kb > base and not (n < 8192 or short):
-                blocks //= 2  # wide blocks: the same inputs a step
-        while warps * blocks > nblk and blocks > 1:
-            blocks //= 2
-        while warps * blocks > nblk and warps > 1:
-            warps //= 2
-        return bn, warps, 1, 1 if nblk >= 16 else 2, 0, blocks
-    geo = unit_geometry(n_levels, g)
-    bk = geo["UPG_P"] * geo["PER_P"]
-    bn = min(64 if n >= 8192 else 32, 8192 // bk)
-    return max(16, bn), 4, 1
-
-
-def _mid_config(n: int, ng: int, n_levels: int, g: int, m: int, kb: int = 0) -> tuple[tuple, int]:
-    """(configuration, activation rows a program) of `_gemv_mma_kernel` for DOT_MAX_M < M <= MID_MAX_M, from the
-    weight shape and that bucket of M only: 32 rows a program (16 up to 32 rows for fewer than 4096 outputs),
-    4 warps of one block and 64 weight rows a program from 8192 outputs, 32 from 4096; fewer outputs keep the
-    M <= 16 configuration (more blocks per step: their grid is small); sweeps: benchmarks/RESULTS.md."""
-    base = _mma_block(n_levels, g)
-    kb = kb or base
-    if kb > base:  # wide blocks (`mma_block`): 2 blocks a warp, 4 warps of 16 rows below 8192 outputs, else 32 rows
-        # over 2 warps (4 for rows of at most 2048 inputs)
-        bn, warps = (16, 4) if n < 8192 else (32, 4) if ng * g <= 2048 else (32, 2)
-        return (bn, warps, 1, 1, 0, 2), 32
-    if n >= 4096:
-        warps, nblk = 4, -(-ng * g // base)
-        while warps > nblk and warps > 1:
-            warps //= 2
-        return (64 if n >= 8192 else 32, warps, 1, 1, 0, 1), 32
-    return _dot_config(n, ng, n_levels, g, kb), 16 if m <= 32 else 32
 
 
 def mid_m(m: int, n_levels: int, group_size: int, dtype: torch.dtype) -> bool:
@@ -488,35 +328,18 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     out = torch.empty(m, n, dtype=out_dtype, device=x_rot.device)
     if m == 0 or n == 0:
         return out
-    kb = _check_block(n_levels, group_size, ng, block, x_order) if block or x_order else 0
     if _mma_serves(n_levels, group_size):
-        kb = kb or mma_block(n_levels, group_size, n, ng, m)
-        default = _dot_config(n, ng, n_levels, group_size, kb)
-        bm = 8 if m <= 8 else 16
-        if m > tuning.DOT_MAX_M:
-            default, bm = _mid_config(n, ng, n_levels, group_size, m, kb)
-        bm = mma_rows or bm
-        cfg = tuple(config or default)
-        bn, warps, stages = cfg[:3]
-        prefetch = int(cfg[3]) if len(cfg) > 3 and cfg[3] in (0, 1, 2) else default[3]
-        opts = {"maxnreg": cfg[4]} if len(cfg) > 4 and cfg[4] else {}
-        blocks = cfg[5] if len(cfg) > 5 and cfg[5] else 1
         f16 = (x_rot.dtype if x_rot.dtype != torch.float32 else out_dtype) == torch.float16
         if not _interpreting() and x_rot.dtype not in (torch.bfloat16, torch.float16):
             x_rot = x_rot.to(torch.float16 if f16 else torch.bfloat16)
         if x_rot.stride(-1) != 1:
             x_rot = x_rot.contiguous()
-        pdl = _pdl(x_rot.device)
-        if pdl:
-            opts["launch_pdl"] = True
-        launch(
-            _gemv_mma_kernel, (cdiv(n, bn), cdiv(m, bm)),
-            x_rot, _packed_view(packed, 1), norms, codebook, out, m, n, x_rot.stride(0), out.stride(0), NG=ng,
-            NLEV=n_levels, G=group_size, KB=kb, BN=bn, BM=bm, S=warps * blocks,
-            RUNTIME_LAYOUT=_runtime_layout(packed, n_levels, signed=True), F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(), PDL=pdl,
-            LANES_FIRST=_lanes_first(), XORDER=bool(x_order),
-            num_warps=warps, num_stages=stages, **opts)
+        bound, grid = _dot_plan(m, n, ng, n_levels, group_size, None if config is None else tuple(config), mma_rows,
+                                bool(x_order), block, f16, packed.dtype, x_rot.device, _lanes_first())
+        bound(grid, x_rot, _packed_view(packed, 1), norms, codebook, out, m, n, x_rot.stride(0), out.stride(0))
         return out
+    if block or x_order:
+        _check_block(n_levels, group_size, ng, block, x_order)  # (raises: no blocks for this codebook)
     geo = unit_geometry(n_levels, group_size)
     bn, warps, stages, lut = _with_mask(config or _dot_config(n, ng, n_levels, group_size), n_levels)
     pk = _packed_view(packed, geo["WPU"])
@@ -529,10 +352,37 @@ def gemv_dot(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, cod
     return out
 
 
+@memo
+def _dot_plan(m: int, n: int, ng: int, n_levels: int, group_size: int, config, mma_rows: int, x_order: bool,
+              block: int, f16: bool, packed_dtype: torch.dtype, device: torch.device, lanes_first: bool) -> tuple:
+    """The tensor-core GEMV's launch (`gemv_dot`, 2-, 3- and 4-bit) for these shapes and options: (bound kernel,
+    grid)."""
+    kb = _check_block(n_levels, group_size, ng, block, x_order) if block or x_order else 0
+    kb = kb or mma_block(n_levels, group_size, n, ng, m)
+    default = _dot_config(n, ng, n_levels, group_size, kb)
+    bm = 8 if m <= 8 else 16
+    if m > tuning.DOT_MAX_M:
+        default, bm = _mid_config(n, ng, n_levels, group_size, m, kb)
+    bm = mma_rows or bm
+    cfg = tuple(config or default)
+    bn, warps, stages = cfg[:3]
+    prefetch = int(cfg[3]) if len(cfg) > 3 and cfg[3] in (0, 1, 2) else default[3]
+    opts = {"maxnreg": cfg[4]} if len(cfg) > 4 and cfg[4] else {}
+    blocks = cfg[5] if len(cfg) > 5 and cfg[5] else 1
+    pdl = _pdl(device)
+    if pdl:
+        opts["launch_pdl"] = True
+    bound = bind(_gemv_mma_kernel, NG=ng, NLEV=n_levels, G=group_size, KB=kb, BN=bn, BM=bm, S=warps * blocks,
+                 RUNTIME_LAYOUT=packed_dtype == torch.int32, F16=f16, PREFETCH=prefetch, USE_ASM=not _interpreting(),
+                 PDL=pdl, LANES_FIRST=lanes_first, XORDER=x_order, num_warps=warps, num_stages=stages, **opts)
+    return bound, (cdiv(n, bn), cdiv(m, bm))
+
+
 def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
                    dtype: torch.dtype, signs1: torch.Tensor | None = None, signs2: torch.Tensor | None = None,
                    in_features: int | None = None, block_rows: int = 64, warps: int = 4,
-                   programs: int = 0, select: torch.Tensor | None = None, select_rows: int = 0) -> torch.Tensor:
+                   programs: int = 0, select: torch.Tensor | None = None, select_rows: int = 0,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """A 2-, 3- or 4-bit weight decoded with the byte-permute lookups (codebook values at 16-bit precision) into
     a 16-bit `dtype` (float32 in the interpreter): with `signs1`/`signs2` the weight itself, `(rows,
     in_features)` (= `codec.dequantize_weight` within 16-bit rounding), without them the rotated-basis weight
@@ -540,7 +390,8 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
 
     `select` (int tensor of S matrix numbers) with `select_rows` = R: the weight is stacked matrices of R rows
     each (experts) and only the selected ones are decoded, into `(S*R, width)` in the order given; the rows of a
-    negative number are neither read nor written."""
+    negative number are neither read nor written. `out`: a tensor of that shape and dtype, rows contiguous, to write
+    into (returned) instead of a new one."""
     n, ng = norms.shape
     if select is not None:
         n = select.numel() * select_rows
@@ -550,7 +401,11 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
         raise ValueError(f"the lookup dequantization serves 4-, 8- and 16-entry codebooks, not {n_levels}")
     unrot = signs1 is not None
     width = in_features if unrot else ng * group_size
-    out = torch.empty(n, width, dtype=dtype, device=packed.device)
+    if out is None:
+        out = torch.empty(n, width, dtype=dtype, device=packed.device)
+    elif out.shape != (n, width) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"dequantize_lut: `out` must be ({n}, {width}) {dtype} with contiguous rows, not "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if n == 0 or ng == 0:
         return out
     interp = _interpreting()
@@ -569,6 +424,32 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
            USE_ASM=not interp, UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
            num_warps=warps)
     return out
+
+
+def prefill(x2: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, signs1: torch.Tensor,
+            signs2: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """`(M, in)` 16-bit activations times a 2-, 3- or 4-bit weight by cuBLAS: the weight decoded with its rotation
+    undone (`dequantize_lut`; the activations are multiplied as they are, one kernel fewer than rotating them),
+    PREFILL_CHUNK_BYTES of it at a time into one scratch buffer, each chunk's rows multiplied into their columns of
+    the output before the next chunk overwrites the buffer (which the L2 can then hold); the whole weight at once
+    where it fits in one chunk, or PREFILL_CHUNK_BYTES is 0. `norms` contiguous, `codebook` float32."""
+    interp = _interpreting()  # (the interpreter multiplies in float32)
+    dt = torch.float32 if interp else x2.dtype
+    xa = x2.float() if interp else x2
+    n, ng = norms.shape
+    budget = tuning.PREFILL_CHUNK_BYTES
+    rows = max(64, budget // (in_features * xa.element_size()) // 64 * 64) if budget else n
+    if rows >= n:
+        w = dequantize_lut(packed, norms, codebook, group_size, dt, signs1, signs2, in_features)
+        return torch.nn.functional.linear(xa, w).to(x2.dtype)
+    y = torch.empty(x2.shape[0], n, dtype=dt, device=x2.device)
+    scratch = torch.empty(rows, in_features, dtype=dt, device=x2.device)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        w = dequantize_lut(packed[a * ng:b * ng], norms[a:b], codebook, group_size, dt, signs1, signs2, in_features,
+                           out=scratch[: b - a])
+        torch.mm(xa, w.t(), out=y[:, a:b])
+    return y.to(x2.dtype)
 
 
 def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
@@ -723,40 +604,31 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     if m == 0:
         return x.new_empty(*lead, n)
     dt = x.dtype
-    sixteen = dt in (torch.bfloat16, torch.float16)
-    unit = lut_unit(codebook.numel(), group_size)
-    route = path(m, codebook.numel(), group_size, dt, packed)
+    route, unit, order, kb, cfg = _linear_route(m, n, ng, codebook.numel(), group_size, dt, packed.dtype)
     if route == "pairs":
         xp, xs = rotate(x2, s1, s2, group_size, dt, unit=unit)
         return gemv_pairs(xp, xs, packed, norms, codebook, group_size, dt).reshape(*lead, n)
+    if route == "dot":
+        # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
+        x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt,
+                       mma_levels=codebook.numel() if order else 0, mma_block=kb if order else 0)
+        return gemv_dot(x_rot, packed, norms.contiguous(), _f32(codebook), group_size, dt, x_order=order,
+                        block=kb).reshape(*lead, n)
+    sixteen = dt in (torch.bfloat16, torch.float16)
     norms = norms.contiguous()  # (float16 norms are read as they are)
     codebook = _f32(codebook)
     if route == "gemm":
-        nl = codebook.numel()
-        cfg = gemm.gemm_config(m, n, ng, nl, group_size)
         interp = _interpreting()  # (the interpreter runs the GEMM in float32)
         x_rot = rotate(x2, s1, s2, group_size, torch.float32 if interp else dt,
-                       lane_unit=gemm.lane_unit(nl) if cfg[5] else 0, lane_block=cfg[2])
+                       lane_unit=gemm.lane_unit(codebook.numel()) if cfg[5] else 0, lane_block=cfg[2])
         y = gemm.gemm(x_rot, packed, norms, codebook, group_size, dt, config=cfg,
                       runtime_layout=packed.dtype == torch.int32, use_asm=not interp, lanes_first=_lanes_first())
         return y.reshape(*lead, n)
     if route == "fma":
         x_rot = rotate(x2, s1, s2, group_size, torch.float32)
         y = gemv_fma(x_rot, packed, norms, codebook, group_size, dt)
-    elif route == "dot":
-        # (the interpreter gets 16-bit dots wrong: it runs this path in float32)
-        nl = codebook.numel()
-        order = uses_x_order(n, ng, nl, group_size)
-        kb = mma_block(nl, group_size, n, ng, m)
-        x_rot = rotate(x2, s1, s2, group_size, torch.float32 if _interpreting() else dt,
-                       mma_levels=nl if order else 0, mma_block=kb if order else 0)
-        y = gemv_dot(x_rot, packed, norms, codebook, group_size, dt, x_order=order, block=kb)
     elif sixteen and unit:
-        # prefill: the weight itself into a scratch buffer (its rotation undone on the tensor cores), then cuBLAS
-        # on the activations as they are: one kernel fewer than rotating them
-        w = dequantize_lut(packed, norms, codebook, group_size, torch.float32 if _interpreting() else dt, s1, s2,
-                           in_features)
-        y = torch.nn.functional.linear(x2 if not _interpreting() else x2.float(), w).to(dt)
+        y = prefill(x2, packed, norms, codebook, s1, s2, group_size, in_features)
     else:
         x_rot = rotate(x2, s1, s2, group_size, dt if sixteen else torch.float32)
         w = dequantize_rotated(packed, norms, codebook, group_size, x_rot.dtype)
@@ -764,3 +636,20 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
         if y.dtype != dt:
             y = y.to(dt)
     return y.reshape(*lead, n)
+
+
+@memo
+def _linear_route(m: int, n: int, ng: int, n_levels: int, group_size: int, dtype: torch.dtype,
+                  packed_dtype: torch.dtype) -> tuple:
+    """`linear`'s choices for M rows of `dtype` times an `(n, ng groups)` weight: (route as `path` names it, the
+    pair GEMV's unit, the tensor-core GEMV's activation order and block, the GEMM's configuration)."""
+    probe = torch.empty(0, dtype=packed_dtype)  # (`path` looks at the packed tensor's dtype only)
+    route = path(m, n_levels, group_size, dtype, probe)
+    unit = lut_unit(n_levels, group_size)
+    order, kb, cfg = False, 0, None
+    if route == "dot":
+        order = uses_x_order(n, ng, n_levels, group_size)
+        kb = mma_block(n_levels, group_size, n, ng, m)
+    elif route == "gemm":
+        cfg = gemm.gemm_config(m, n, ng, n_levels, group_size)
+    return route, unit, order, kb, cfg

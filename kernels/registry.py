@@ -21,6 +21,7 @@ import torch
 __all__ = ["register", "registered"]
 
 _registered = False
+_LIB = None
 
 
 def _cuda_linear(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
@@ -89,11 +90,15 @@ def register() -> bool:
     if not hasattr(torch.ops.turboquant, "linear"):
         # the op is defined in turboquant_hf.ops (which does not import this package)
         from turboquant_hf import ops  # noqa: F401
-    torch.library.register_kernel("turboquant::linear", "cuda")(_cuda_linear)
-    torch.library.register_kernel("turboquant::moe_experts", "cuda")(_cuda_moe_experts)
+    global _LIB
+    # (a Library's own `impl`: `torch.library.register_kernel` would put a Python wrapper in front of every call)
+    _LIB = torch.library.Library("turboquant", "IMPL")
+    _LIB.impl("linear", _cuda_linear, "CUDA")
+    _LIB.impl("linear_nograd", _cuda_linear, "CUDA")
+    _LIB.impl("moe_experts", _cuda_moe_experts, "CUDA")
     if hasattr(torch.ops.turboquant, "hadamard_linear"):
-        torch.library.register_kernel("turboquant::hadamard_linear", "cuda")(_cuda_hadamard_linear)
-        torch.library.register_kernel("turboquant::hadamard_moe_experts", "cuda")(_cuda_hadamard_moe_experts)
+        _LIB.impl("hadamard_linear", _cuda_hadamard_linear, "CUDA")
+        _LIB.impl("hadamard_moe_experts", _cuda_hadamard_moe_experts, "CUDA")
     _registered = True
     return True
 

@@ -1,11 +1,33 @@
 """Tuning of the kernels in one place: the M thresholds of the dispatch (`linear.path`), the layout switches of the
 tensor-core GEMV and the rotation, the programmatic-dependent-launch limits, and the MoE op's plan limits (pairs
 served by the decode GEMVs, the fused routed products, the prefill scratch budget). Module globals, read at each
-call (tests and benchmarks set them here). Measurements behind them: benchmarks/RESULTS.md and benchmarks/E2E.md."""
+call (tests and benchmarks set them here). Measurements behind them: benchmarks/RESULTS.md and benchmarks/E2E.md.
+
+`GENERATION` counts the assignments to this module's attributes: the launch plans that the dispatch derives from
+these values (`launch.memo`) are keyed on it, so that setting any of them takes effect at the next call."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 from turboquant_hf import settings
+
+
+class _Tuning(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name != "GENERATION":
+            super().__setattr__("GENERATION", self.GENERATION + 1)
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        super().__setattr__("GENERATION", self.GENERATION + 1)
+
+
+GENERATION = 0
+if __name__ in sys.modules:  # (a copy loaded from the file alone, as a test does, keeps the plain module type)
+    sys.modules[__name__].__class__ = _Tuning
 
 # Largest M served by the tensor-core GEMV; above it: dequantize + cuBLAS.
 DOT_MAX_M = 16
@@ -22,6 +44,10 @@ FMA_MAX_M = 1
 # Largest M served by the tensor-core GEMV with 32 activation rows a program (DOT_MAX_M < M, 16-bit activations,
 # 2-, 3- and 4-bit weights; `_mid_config`); 0: none, every M above DOT_MAX_M dequantizes for cuBLAS.
 MID_MAX_M = 64
+
+# Above the tensor-core GEMV's rows (`linear.prefill`): the weight is decoded for cuBLAS this many bytes of it at a
+# time into one scratch buffer (0: the whole weight at once).
+PREFILL_CHUNK_BYTES = 0
 
 # Activation rows up to which `rotate` runs the butterfly kernel (`_rotate_rows_kernel`, faster at small M, the same
 # output bit for bit) rather than the tensor-core one. ROWS_CONFIG, when set, overrides `_rows_config`.

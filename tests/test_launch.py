@@ -200,3 +200,88 @@ def test_sm90_compile_passes_real_launches_and_reports_what_the_compiler_refuses
     out = capsys.readouterr().out
     assert "FAILED gemv_mma.py:_gemv_mma_kernel" in out and "Both operands must be same dtype" in out
     assert "0 of 1 specializations" in out
+
+
+def test_bound_kernel_caches_per_positional_key(fresh):
+    """`bind` fixes the constexprs and options once: the compiled kernel is then looked up from the positional
+    arguments alone, with the same specialization rules as `launch`."""
+    k = JITFunction()
+    bound = LA.bind(k, A=3, num_warps=4)
+    base = torch.zeros(64)
+    bound((4,), base, 32)
+    bound((5, 2), torch.ones(32), 48)
+    assert len(k.slow) == 1 and k.slow[0] == ((4,), (base, 32), {"A": 3, "num_warps": 4})
+    assert k.compiled[0].launches[0][0] == (5, 2, 1) and k.compiled[0].launches[0][1][1:] == (48, 3, 7, None)
+    for args in ((base[1:], 32), (base, 1), (base, 33), (base.half(), 32)):
+        before = len(k.slow)
+        bound((1,), *args)
+        assert len(k.slow) == before + 1, args
+    # another binding of the same kernel keys its own values
+    LA.bind(k, A=4, num_warps=4)((1,), base, 32)
+    assert len(k.slow) == 6 and k.slow[-1][2] == {"A": 4, "num_warps": 4}
+
+
+def test_memo_follows_the_tuning_table(monkeypatch):
+    """A memoized launch plan is computed once per arguments, again after any assignment to the tuning table
+    (what tests and benchmarks do to switch a path), and again after `clear`."""
+    from turboquant_hf.kernels import tuning as T
+
+    calls = []
+
+    @LA.memo
+    def plan(m):
+        calls.append(m)
+        return (m, T.DOT_MAX_M)
+
+    assert plan(3) == (3, T.DOT_MAX_M) and plan(3) == (3, T.DOT_MAX_M) and calls == [3]
+    monkeypatch.setattr(T, "DOT_MAX_M", T.DOT_MAX_M + 5)
+    assert plan(3) == (3, T.DOT_MAX_M) and calls == [3, 3]
+    LA.clear()
+    plan(3)
+    assert calls == [3, 3, 3]
+    monkeypatch.setattr(LA, "_MEMO_MAX", 2)
+    for m in range(5):
+        plan(100 + m)
+    assert len(plan.cache) <= 2
+
+
+def test_direct_launch_passes_what_tritons_runner_passes(monkeypatch):
+    """The cached launch calls the compiled kernel's launcher itself: with the grid, stream, function and
+    metadata that Triton's own runner (`CompiledKernel[grid](*args)`) passes, and no launch metadata or hooks
+    (Triton's runner is used while a launch hook is set)."""
+    compiler = pytest.importorskip("triton.compiler.compiler")
+    knobs = pytest.importorskip("triton.knobs")
+
+    class CudaLauncher:
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, *a):
+            self.calls.append(a)
+
+    fallback = []
+
+    class Compiled(compiler.CompiledKernel):  # (Triton's runner, recorded: it needs a CUDA driver to run)
+        def __getitem__(self, grid):
+            return lambda *a: fallback.append((grid, a))
+
+    ck = Compiled.__new__(Compiled)
+    ck._run, ck.function, ck.packed_metadata, ck.module = CudaLauncher(), object(), object(), object()
+    ck.name, ck.src, ck.metadata = "k", None, None
+    monkeypatch.setattr(LA, "_RAW_STREAM", lambda device: 1234)
+    launcher = LA._direct(ck)
+    assert launcher is ck._run
+    args = (torch.zeros(4), 7, 3)
+    compiler.CompiledKernel.__getitem__(ck, (2, 3, 1))(*args, stream=1234)
+    LA._run(ck, launcher, (2, 3), 0, args)
+    theirs, ours = ck.run.calls
+    assert ours[:6] == theirs[:6] and ours[9:] == theirs[9:]
+    assert ours[6:9] == (None, None, None)
+    # with a hook set: Triton's runner
+    hook = lambda *a: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        LA._run(ck, launcher, (2, 3), 0, args)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert fallback == [((2, 3, 1), args)] and len(ck.run.calls) == 2

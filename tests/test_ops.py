@@ -179,3 +179,26 @@ def test_moe_experts_backward_matches_dense_experts(layout):
     bound = 2e-5 if clamped else 2e-6
     for got, want in ((x.grad, x2.grad), (weights.grad, w2.grad)):
         assert ((got - want).norm() / want.norm()).item() < bound
+
+
+def test_linear_op_without_autograd_where_no_gradient_is_needed():
+    """`ops.linear_op` gives the op without an autograd formula where no gradient can flow to the activations
+    (grad mode off, or activations that do not require one) and the one with it otherwise; both compute the same
+    product, and a layer's backward still reaches its input."""
+    from turboquant_hf import TurboQuantLinear, ops
+    from turboquant_hf.modules import quantize_linear_
+
+    layer = TurboQuantLinear(256, 48, bias=True, bits=3)
+    quantize_linear_(layer, torch.randn(48, 256) * 0.05)
+    x = torch.randn(3, 256)
+    nograd, with_grad = torch.ops.turboquant.linear_nograd.default, torch.ops.turboquant.linear.default
+    assert ops.linear_op(x) is nograd
+    assert ops.linear_op(x.requires_grad_()) is with_grad
+    with torch.no_grad():
+        assert ops.linear_op(x) is nograd
+        y0 = layer(x)
+    y1 = layer(x)
+    assert torch.equal(y0, y1.detach()) and y1.requires_grad
+    y1.sum().backward()
+    w = layer.weight.dequantize()
+    assert torch.allclose(x.grad, w.sum(0).expand_as(x), atol=1e-4)

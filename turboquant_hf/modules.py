@@ -31,14 +31,15 @@ def format_constants(n_levels: int, group_size: int, device,
     `runtime`: the codebook that packed indices in the runtime layout are read with (`layout.runtime_codebook`:
     for ternary weights the 4-entry `layout.pairs_codebook`, for 4-bit the sign-magnitude order; the format
     codebook itself otherwise)."""
-    device = torch.device(device)
     runtime = runtime and n_levels in (3, 16)
     key = (n_levels, group_size, device, runtime)
-    if key not in _CONSTANTS:
+    hit = _CONSTANTS.get(key)
+    if hit is None:
+        device = torch.device(device)
         s1, s2 = fmt.signs(group_size, device)
         cb = fmt.codebook(n_levels, group_size, device)
-        _CONSTANTS[key] = (layout.runtime_codebook(cb) if runtime else cb, s1, s2)
-    return _CONSTANTS[key]
+        hit = _CONSTANTS[key] = (layout.runtime_codebook(cb) if runtime else cb, s1, s2)
+    return hit
 
 
 def group_linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, bias: torch.Tensor | None,
@@ -46,7 +47,7 @@ def group_linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, bia
     """`x` times a group-rotated packed weight (`torch.ops.turboquant.linear` with the format's constants), plus
     `bias`: the product of a `TurboQuantLinear` and of fused sibling projections (`turboquant_hf.fusion`)."""
     codebook, s1, s2 = format_constants(n_levels, group_size, packed.device, runtime)
-    y = torch.ops.turboquant.linear(x, packed, norms, codebook, s1, s2, group_size, in_features)
+    y = ops.linear_op(x)(x, packed, norms, codebook, s1, s2, group_size, in_features)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -262,6 +263,8 @@ def to_norms_dtype(norms: torch.Tensor, dtype: torch.dtype, name: str = "norms")
 class TurboQuantLinear(nn.Module):
     """A Linear layer whose weight is stored TurboQuant-packed; forward runs `torch.ops.turboquant.linear`."""
 
+    _tq_group = None  # (`turboquant_hf.fusion` sets the group and this layer's index in it per instance)
+
     def __init__(
         self,
         in_features: int,
@@ -290,7 +293,7 @@ class TurboQuantLinear(nn.Module):
         return self.weight.group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = getattr(self, "_tq_group", None)  # fused with its siblings (`turboquant_hf.fusion`)
+        group = self._tq_group  # fused with its siblings (`turboquant_hf.fusion`)
         if group is not None:
             if torch.compiler.is_compiling() or group.intact():
                 y = group.output(self._tq_index, x)
@@ -304,8 +307,9 @@ class TurboQuantLinear(nn.Module):
                 x, w.tq_packed, w.tq_norms, w.kernel_codebook(), w.tq_signs, w.group_size, self.in_features
             )
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        return group_linear(x, w.tq_packed, w.tq_norms, self.bias, w.n_levels, w.group_size, self.in_features,
-                            w.runtime_layout)
+        packed = w.tq_packed
+        return group_linear(x, packed, w.tq_norms, self.bias, w.n_levels, w.group_size, self.in_features,
+                            layout.is_runtime(packed))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -152,6 +152,38 @@ def _linear_backward(ctx, grad):
 torch.library.register_autograd("turboquant::linear", _linear_backward, setup_context=_linear_setup_context)
 
 
+@_op("linear_nograd")
+def turboquant_linear_nograd(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    codebook: torch.Tensor,
+    signs1: torch.Tensor,
+    signs2: torch.Tensor,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """`turboquant::linear` without an autograd formula, for calls that need no gradient (`linear_op` picks it):
+    the same implementations on every device, without the Python layer that an autograd formula registered from
+    Python puts in front of every call. Called with activations that require a gradient, autograd refuses it."""
+    return turboquant_linear(x, packed, norms, codebook, signs1, signs2, group_size, in_features)
+
+
+@torch.library.register_fake("turboquant::linear_nograd")
+def _(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
+    return x.new_empty(*x.shape[:-1], norms.shape[0])
+
+
+_LINEAR = torch.ops.turboquant.linear.default
+_LINEAR_NOGRAD = torch.ops.turboquant.linear_nograd.default
+
+
+def linear_op(x: torch.Tensor):
+    """The op for `x` times a packed weight: `turboquant::linear` where autograd may need the input's gradient
+    (grad mode on and `x` requiring one), else `turboquant::linear_nograd`."""
+    return _LINEAR if x.requires_grad and torch.is_grad_enabled() else _LINEAR_NOGRAD
+
+
 @_op("moe_experts")
 def turboquant_moe_experts(
     hidden: torch.Tensor,
