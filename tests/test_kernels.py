@@ -299,10 +299,10 @@ def test_pair_gemv_matches_reference(L, bits, g):
         assert (x2.view(torch.float16).float() - want2.view(torch.float16).float()).abs().max() <= 2.0**-3
         p2, ps = L.pack_pairs(x_rot, unit, g)
         assert torch.equal(ps, xs) and torch.equal(p2, x2)
-        for pk in layouts:
+        for pk in layouts if scale == 1.0 else layouts[-1:]:  # (the extreme scales: one layout, default config)
             ys = []
             launch = ((4, 1, 0, 1), (8, 1, 0, 1, 4)) if scale == 1.0 and m <= 2 else ()
-            for cfg in (None, (4, 1)) + launch:
+            for cfg in ((None, (4, 1)) if scale == 1.0 else (None,)) + launch:
                 y = L.gemv_pairs(x2, xs, pk, norms, _kcb(pk, cb), g, torch.float32, config=cfg)
                 err = _rel(y, ref)
                 assert 1e-5 < err < 2e-3, (m, scale, cfg, pk.dtype, err)  # > 1e-5: float16 really in use
