@@ -96,6 +96,7 @@ def register() -> bool:
     _LIB.impl("linear", _cuda_linear, "CUDA")
     _LIB.impl("linear_nograd", _cuda_linear, "CUDA")
     _LIB.impl("moe_experts", _cuda_moe_experts, "CUDA")
+    _LIB.impl("moe_experts_nograd", _cuda_moe_experts, "CUDA")
     if hasattr(torch.ops.turboquant, "hadamard_linear"):
         _LIB.impl("hadamard_linear", _cuda_hadamard_linear, "CUDA")
         _LIB.impl("hadamard_moe_experts", _cuda_hadamard_moe_experts, "CUDA")

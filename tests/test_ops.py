@@ -82,10 +82,11 @@ def test_op_keeps_dtype_and_leading_dims(dtype):
     assert torch.allclose(y.float().view(5, 40), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-def test_opcheck():
+@pytest.mark.parametrize("name", ["linear", "linear_nograd"])
+def test_opcheck(name):
     x, packed, norms, cb, s1, s2 = _inputs(8, 64)
     torch.library.opcheck(
-        torch.ops.turboquant.linear.default,
+        getattr(torch.ops.turboquant, name).default,
         (x, packed, norms, cb, s1, s2, 64, 200),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
@@ -202,3 +203,18 @@ def test_linear_op_without_autograd_where_no_gradient_is_needed():
     y1.sum().backward()
     w = layer.weight.dequantize()
     assert torch.allclose(x.grad, w.sum(0).expand_as(x), atol=1e-4)
+
+
+def test_moe_op_without_autograd_where_no_gradient_is_needed():
+    """`ops.moe_op`: the MoE op without autograd unless the hidden states or the routing weights need a gradient;
+    the two ops give the same output."""
+    from turboquant_hf import ops
+
+    h, w = torch.randn(3, 8), torch.rand(3, 2)
+    nograd, with_grad = torch.ops.turboquant.moe_experts_nograd.default, torch.ops.turboquant.moe_experts.default
+    assert ops.moe_op(h, w) is nograd
+    assert ops.moe_op(h, w.clone().requires_grad_()) is with_grad
+    assert ops.moe_op(h.clone().requires_grad_(), w) is with_grad
+    with torch.no_grad():
+        assert ops.moe_op(h.clone().requires_grad_(), w.clone().requires_grad_()) is nograd
+    assert str(nograd._schema).replace("_nograd", "") == str(with_grad._schema)

@@ -421,7 +421,7 @@ class TurboQuantExperts(nn.Module):
         device = gu.tq_packed.device
         cb_gu, s1, s2 = format_constants(gu.n_levels, gu.group_size, device, gu.runtime_layout)
         biases = (self.gate_up_proj_bias, self.down_proj_bias) if lay.bias else (None, None)
-        return torch.ops.turboquant.moe_experts(
+        return ops.moe_op(hidden_states, top_k_weights)(
             hidden_states, top_k_index, top_k_weights,
             gu.tq_packed, gu.tq_norms, cb_gu, dn.tq_packed, dn.tq_norms, dn.kernel_codebook(),
             s1, s2, gu.group_size, self.num_experts, self.activation,

@@ -102,7 +102,7 @@ def turboquant_linear(
 
 
 @torch.library.register_fake("turboquant::linear")
-def _(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
+def _linear_fake(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
     return x.new_empty(*x.shape[:-1], norms.shape[0])
 
 
@@ -152,28 +152,17 @@ def _linear_backward(ctx, grad):
 torch.library.register_autograd("turboquant::linear", _linear_backward, setup_context=_linear_setup_context)
 
 
-@_op("linear_nograd")
-def turboquant_linear_nograd(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    norms: torch.Tensor,
-    codebook: torch.Tensor,
-    signs1: torch.Tensor,
-    signs2: torch.Tensor,
-    group_size: int,
-    in_features: int,
-) -> torch.Tensor:
-    """`turboquant::linear` without an autograd formula, for calls that need no gradient (`linear_op` picks it):
-    the same implementations on every device, without the Python layer that an autograd formula registered from
-    Python puts in front of every call. Called with activations that require a gradient, autograd refuses it."""
-    return turboquant_linear(x, packed, norms, codebook, signs1, signs2, group_size, in_features)
+def _nograd_twin(name: str, fn, fake) -> None:
+    """Define `turboquant::<name>_nograd`: the op `name` (implementation `fn`, fake `fake`) without its autograd
+    formula, for calls that need no gradient (`linear_op`, `moe_op` pick it): the same implementations on every
+    device, without the Python layer that a formula registered from Python puts in front of every call. Called
+    with inputs that require a gradient, autograd refuses it at backward."""
+    _LIB.define(name + "_nograd" + torch.library.infer_schema(fn, mutates_args=()))
+    _LIB.impl(name + "_nograd", fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"turboquant::{name}_nograd")(fake)
 
 
-@torch.library.register_fake("turboquant::linear_nograd")
-def _(x, packed, norms, codebook, signs1, signs2, group_size, in_features):
-    return x.new_empty(*x.shape[:-1], norms.shape[0])
-
-
+_nograd_twin("linear", turboquant_linear, _linear_fake)
 _LINEAR = torch.ops.turboquant.linear.default
 _LINEAR_NOGRAD = torch.ops.turboquant.linear_nograd.default
 
@@ -246,7 +235,7 @@ def turboquant_moe_experts(
 
 
 @torch.library.register_fake("turboquant::moe_experts")
-def _(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed, down_norms,
+def _moe_fake(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norms, gate_up_codebook, down_packed, down_norms,
       down_codebook, signs1, signs2, group_size, num_experts, activation, gate_up_bias=None, down_bias=None,
       interleaved=False, alpha=1.0, limit=0.0):
     return torch.empty_like(hidden)
@@ -280,6 +269,17 @@ def _moe_backward(ctx, grad):
 
 
 torch.library.register_autograd("turboquant::moe_experts", _moe_backward, setup_context=_moe_setup_context)
+_nograd_twin("moe_experts", turboquant_moe_experts, _moe_fake)
+_MOE = torch.ops.turboquant.moe_experts.default
+_MOE_NOGRAD = torch.ops.turboquant.moe_experts_nograd.default
+
+
+def moe_op(hidden: torch.Tensor, top_k_weights: torch.Tensor):
+    """`turboquant::moe_experts` where autograd may need a gradient (grad mode on and the hidden states or the
+    routing weights requiring one), else `turboquant::moe_experts_nograd`."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or top_k_weights.requires_grad):
+        return _MOE
+    return _MOE_NOGRAD
 
 
 # -- whole-row Hadamard rotation (turboquant-mlx checkpoints) --------------------------------------------------------
