@@ -155,13 +155,13 @@ class Bound:
 
     def __init__(self, kernel, meta: dict):
         self.kernel, self.meta = kernel, meta
-        self.fast = ENABLED and type(kernel).__name__ == "JITFunction" and not any(
+        self.fast = type(kernel).__name__ == "JITFunction" and not any(
             isinstance(v, torch.Tensor) for v in meta.values())
         self.tail = None
         self.cache: dict = {}
 
     def __call__(self, grid: tuple, *args):
-        if not self.fast:
+        if not (self.fast and ENABLED):
             return self.kernel[grid](*args, **self.meta)
         try:
             device = torch.cuda.current_device()
