@@ -6,9 +6,10 @@ weight copies that overflow the L2,
 - its parts: the whole weight decoded with the rotation undone (`dequantize_lut` with the signs), decoded in the
   rotated basis (without), and the rotation of the activations;
 - chunked: for each chunk of C rows, decode them into the one scratch buffer, then cuBLAS into those columns of
-  the output (`torch.mm(..., out=y[:, a:b])`); "unrot" is `linear.prefill` with `tuning.PREFILL_CHUNK_BYTES`
-  set (decoded with the rotation undone, the activations multiplied as they are), "rot" rotates the activations
-  once and decodes in the rotated basis. C is given in MiB of bf16 scratch.
+  the output (`torch.mm(..., out=y[:, a:b])`); "unrot" decodes with the rotation undone and multiplies the
+  activations as they are (as `linear.prefill` does with the whole weight), "rot" rotates the activations once and
+  decodes in the rotated basis. C is given in MiB of bf16 scratch. (Slower than the whole weight at once at every
+  size on an H100: GEMM.md.)
 
     python profile_prefill.py [--ms 128,256,512,2048] [--mib 4,8,16,32] [--bits 3]
 """
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 
 import bench_linear as B
 from turboquant_hf.kernels import linear as L
-from turboquant_hf.kernels import tuning as T
 
 SHAPES = (("4096x4096", 4096, 4096), ("4096->6144 (q/k/v)", 4096, 6144), ("4096->28672 (gate/up)", 4096, 28672),
           ("14336->4096 (down)", 14336, 4096))
@@ -30,8 +30,6 @@ SHAPES = (("4096x4096", 4096, 4096), ("4096->6144 (q/k/v)", 4096, 6144), ("4096-
 
 def chunked(x, pk, nr, case, rows: int, scratch, rotated: bool):
     """The product a chunk of `rows` weight rows at a time through `scratch`."""
-    if not rotated:
-        return L.prefill(x, pk, nr, case.cb_ours, case.s1, case.s2, case.g, case.k)
     n, ng = nr.shape
     g = case.g
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -78,7 +76,6 @@ def main() -> int:
                      f"rotate x {t_rx:.1f}"]
             for mib in mibs:
                 rows = max(64, min(n, (mib << 20) // (2 * ng * case.g)) // 64 * 64)
-                T.PREFILL_CHUNK_BYTES = mib << 20
                 scratch = torch.empty(rows, max(k, ng * case.g), dtype=torch.bfloat16, device="cuda")
                 for rotated in (False, True):
                     sc = scratch[:, : ng * case.g] if rotated else scratch[:, :k]
@@ -89,7 +86,6 @@ def main() -> int:
                     cells.append(f"{'rot' if rotated else 'unrot'} {mib}MiB/{rows}r {t:.1f} ({t_b / t:.2f}x)"
                                  + ("" if err < 2e-2 else f" err {err:.1e}"))
                 del scratch
-                T.PREFILL_CHUNK_BYTES = 0
             print(f"{args.bits}-bit {label} M={m}: " + ", ".join(cells), flush=True)
             del q
             torch.cuda.empty_cache()

@@ -428,28 +428,13 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
 
 def prefill(x2: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, signs1: torch.Tensor,
             signs2: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
-    """`(M, in)` 16-bit activations times a 2-, 3- or 4-bit weight by cuBLAS: the weight decoded with its rotation
-    undone (`dequantize_lut`; the activations are multiplied as they are, one kernel fewer than rotating them),
-    PREFILL_CHUNK_BYTES of it at a time into one scratch buffer, each chunk's rows multiplied into their columns of
-    the output before the next chunk overwrites the buffer (which the L2 can then hold); the whole weight at once
-    where it fits in one chunk, or PREFILL_CHUNK_BYTES is 0. `norms` contiguous, `codebook` float32."""
+    """`(M, in)` 16-bit activations times a 2-, 3- or 4-bit weight by cuBLAS: the weight decoded into a scratch
+    buffer with its rotation undone (`dequantize_lut`), then multiplied with the activations as they are (one
+    kernel fewer than rotating them). `norms` contiguous, `codebook` float32."""
     interp = _interpreting()  # (the interpreter multiplies in float32)
-    dt = torch.float32 if interp else x2.dtype
-    xa = x2.float() if interp else x2
-    n, ng = norms.shape
-    budget = tuning.PREFILL_CHUNK_BYTES
-    rows = max(64, budget // (in_features * xa.element_size()) // 64 * 64) if budget else n
-    if rows >= n:
-        w = dequantize_lut(packed, norms, codebook, group_size, dt, signs1, signs2, in_features)
-        return torch.nn.functional.linear(xa, w).to(x2.dtype)
-    y = torch.empty(x2.shape[0], n, dtype=dt, device=x2.device)
-    scratch = torch.empty(rows, in_features, dtype=dt, device=x2.device)
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        w = dequantize_lut(packed[a * ng:b * ng], norms[a:b], codebook, group_size, dt, signs1, signs2, in_features,
-                           out=scratch[: b - a])
-        torch.mm(xa, w.t(), out=y[:, a:b])
-    return y.to(x2.dtype)
+    w = dequantize_lut(packed, norms, codebook, group_size, torch.float32 if interp else x2.dtype, signs1, signs2,
+                       in_features)
+    return torch.nn.functional.linear(x2.float() if interp else x2, w).to(x2.dtype)
 
 
 def dequantize_rotated(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,

@@ -45,10 +45,6 @@ FMA_MAX_M = 1
 # 2-, 3- and 4-bit weights; `_mid_config`); 0: none, every M above DOT_MAX_M dequantizes for cuBLAS.
 MID_MAX_M = 64
 
-# Above the tensor-core GEMV's rows (`linear.prefill`): the weight is decoded for cuBLAS this many bytes of it at a
-# time into one scratch buffer (0: the whole weight at once).
-PREFILL_CHUNK_BYTES = 0
-
 # Activation rows up to which `rotate` runs the butterfly kernel (`_rotate_rows_kernel`, faster at small M, the same
 # output bit for bit) rather than the tensor-core one. ROWS_CONFIG, when set, overrides `_rows_config`.
 ROWS_MAX_M = 16

@@ -1154,33 +1154,6 @@ def test_lookup_dequantization(L, bits, g):
         L.dequantize_lut(t_packed, t_norms, t_cb, 64, torch.float32)
 
 
-@pytest.mark.parametrize("bits", [3, 4])
-def test_prefill_in_chunks(L, bits, monkeypatch):
-    """The prefill product a chunk of weight rows at a time (`tuning.PREFILL_CHUNK_BYTES`): chunks of 64 rows, the
-    last one short (150 rows), each decoded into the one scratch buffer and multiplied into its columns; the same
-    output as decoding the whole weight at once (to float32 rounding: the products' shapes differ), from both
-    layouts, and within the 16-bit lookups' error of the reference."""
-    g, n, k, m = 64, 150, 200, 70
-    packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=90 + bits)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    ref = ops.turboquant_linear(x.float(), packed, norms, cb, s1, s2, g, k)
-    scratch = []
-    real = L.dequantize_lut
-    monkeypatch.setattr(L, "dequantize_lut", lambda *a, **kw: scratch.append(kw.get("out")) or real(*a, **kw))
-    for pk in (packed, layout.to_runtime(packed, cb.numel(), g, norms.shape[1])):
-        monkeypatch.setattr(T, "PREFILL_CHUNK_BYTES", 0)
-        scratch.clear()
-        whole = L.prefill(x, pk, norms, _kcb(pk, cb), s1, s2, g, k)
-        assert scratch == [None]
-        monkeypatch.setattr(T, "PREFILL_CHUNK_BYTES", 64 * k * 4 + 100)  # (float32 in the interpreter)
-        scratch.clear()
-        chunked = L.prefill(x, pk, norms, _kcb(pk, cb), s1, s2, g, k)
-        assert [t.shape[0] for t in scratch] == [64, 64, 22]
-        assert len({t.data_ptr() for t in scratch}) == 1  # (one buffer)
-        assert chunked.dtype == torch.bfloat16 and chunked.shape == (m, n)
-        assert _rel(chunked, whole) < 1e-6 and _rel(chunked, ref) < 1.5e-2
-
-
 def test_gemm_min_m_from_environment(monkeypatch):
     """`TURBOQUANT_GEMM_MIN_M` sets the smallest M of the packed-weight GEMM; unset or 0 leaves it off; anything
     else is refused with the variable's name."""
