@@ -74,6 +74,17 @@ def _spec(a):
     raise TypeError(f"no launch key for {t.__name__}")
 
 
+_Tensor = torch.Tensor
+_LO, _HI = _I32
+
+
+def _key(args: tuple) -> tuple:
+    """`tuple(map(_spec, args))`, with the common cases (plain tensors, integers in int32 range) inline."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is _Tensor
+                  else (a == 1, not a & 15, True, True) if type(a) is int and _LO <= a <= _HI
+                  else _spec(a) for a in args])
+
+
 def _tail(kernel, n_args: int, meta: dict) -> tuple:
     """The values of the parameters after the positional ones, in signature order (constexprs by keyword, or
     their defaults)."""
@@ -165,7 +176,7 @@ class Bound:
             return self.kernel[grid](*args, **self.meta)
         try:
             device = torch.cuda.current_device()
-            key = (device, tuple(map(_spec, args)))
+            key = (device, _key(args))
             entry = self.cache.get(key)
         except TypeError:
             return self.kernel[grid](*args, **self.meta)

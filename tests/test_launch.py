@@ -285,3 +285,11 @@ def test_direct_launch_passes_what_tritons_runner_passes(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert fallback == [((2, 3, 1), args)] and len(ck.run.calls) == 2
+
+
+def test_inline_key_equals_spec():
+    """The launch key's inline cases give what `_spec` gives, argument by argument."""
+    values = _values()
+    assert LA._key(tuple(values)) == tuple(LA._spec(v) for v in values)
+    with pytest.raises(TypeError):
+        LA._key((1.5j,))
