@@ -90,22 +90,61 @@ def _graph_us(fn, reps: int = 50) -> float:
 # MoE layer
 # ---------------------------------------------------------------------------
 
-def bench_moe(e=256, k=8, h=2048, inter=512, g=128, tokens=(1, 2048)) -> list[dict]:
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+MOE_FAMILIES = {  # family -> (E, top-k, H, I): Qwen3.6-35B-A3B's and gpt-oss-20b's expert layers
+    "qwen3_5": (256, 8, 2048, 512),
+    "gpt_oss": (32, 4, 2880, 2880),
+}
 
-    cfg = Qwen3_5MoeTextConfig(hidden_size=h, moe_intermediate_size=inter, num_experts=e, num_experts_per_tok=k)
+
+def _moe_modules(family: str, e: int, h: int, inter: int, g: int):
+    """(transformers' bf16 experts module with random weights, its config, {tier: TurboQuantExperts of the same
+    weights}) for `family`: Qwen3.5-MoE's `[E, 2I, H]` experts, or gpt-oss's transposed, interleaved, biased experts
+    with the clamped SwiGLU."""
+    from turboquant_hf.experts_layout import ExpertsLayout
+
     torch.manual_seed(0)
-    base = Qwen3_5MoeExperts(cfg).to(DEV, torch.bfloat16)
+    if family == "gpt_oss":
+        from transformers.models.gpt_oss import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        cfg = GptOssConfig(hidden_size=h, intermediate_size=inter, num_local_experts=e)
+        base = GptOssExperts(cfg).to(DEV, torch.bfloat16)
+        layout = ExpertsLayout(transposed=True, interleaved=True, bias=True, alpha=cfg.swiglu_alpha,
+                               limit=cfg.swiglu_limit)
+        activation = "clamped_swiglu"
+    else:
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+
+        cfg = Qwen3_5MoeTextConfig(hidden_size=h, moe_intermediate_size=inter, num_experts=e)
+        base = Qwen3_5MoeExperts(cfg).to(DEV, torch.bfloat16)
+        layout, activation = None, "silu"
     with torch.no_grad():
         base.gate_up_proj.normal_(0, 0.02)
         base.down_proj.normal_(0, 0.02)
+        if layout is not None:
+            base.gate_up_proj_bias.normal_(0, 0.1)
+            base.down_proj_bias.normal_(0, 0.1)
+    # the published orientation: rows are outputs, groups along the inputs
+    gu = base.gate_up_proj.data.transpose(1, 2) if layout is not None else base.gate_up_proj.data
+    dn = base.down_proj.data.transpose(1, 2) if layout is not None else base.down_proj.data
     tiers = {}
     for bits in (3, 1.58):
-        ours = TurboQuantExperts(e, h, inter, bits, bits, g, device=DEV)
-        ours.gate_up_proj.load_packed_(*codec.quantize_weight(base.gate_up_proj.data, bits, g))
-        ours.down_proj.load_packed_(*codec.quantize_weight(base.down_proj.data, bits, g))
+        kw = {"layout": layout} if layout is not None else {}
+        ours = TurboQuantExperts(e, h, inter, bits, bits, g, activation, device=DEV, **kw)
+        ours.gate_up_proj.load_packed_(*codec.quantize_weight(gu.contiguous(), bits, g))
+        ours.down_proj.load_packed_(*codec.quantize_weight(dn.contiguous(), bits, g))
+        if layout is not None:
+            with torch.no_grad():
+                ours.gate_up_proj_bias.copy_(base.gate_up_proj_bias)
+                ours.down_proj_bias.copy_(base.down_proj_bias)
         tiers["ternary" if bits == 1.58 else "3"] = ours
+    return base, cfg, tiers
+
+
+def bench_moe(family: str = "qwen3_5", g=128, tokens=(1, 2048)) -> list[dict]:
+    e, k, h, inter = MOE_FAMILIES[family]
+    base, cfg, tiers = _moe_modules(family, e, h, inter, g)
     rows = []
     for m in tokens:
         x = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
@@ -139,7 +178,7 @@ def bench_moe(e=256, k=8, h=2048, inter=512, g=128, tokens=(1, 2048)) -> list[di
                 t_og = float("nan") if waits else _graph_us(lambda: ours(x, idx, w))
                 rel_vs_bf16 = ((yo.float() - yb.float()).norm() / yb.float().norm()).item()
                 t_b, t_bg = base_t["eager"][0], base_t["grouped_mm"][0]
-                row = dict(part="moe", bits=bits, M=m, us_bf16=t_b, us_bf16_grouped=t_bg, us_bf16_grouped_graph=t_bgg,
+                row = dict(part="moe", family=family, bits=bits, M=m, us_bf16=t_b, us_bf16_grouped=t_bg, us_bf16_grouped_graph=t_bgg,
                            us_ours=t_o, us_ours_graph=t_og, ratio=t_b / t_o, ratio_grouped=t_bg / t_o,
                            ratio_graph=t_b / t_og, ratio_graph_grouped=t_bg / t_og,
                            ratio_graphs=t_bgg / t_og, rel_vs_bf16=rel_vs_bf16)
@@ -405,8 +444,11 @@ def markdown(env: dict, moe: list[dict], e2e: list[dict], command: str) -> str:
            f"- gated-delta-net kernels (Qwen3.6 layers): flash-linear-attention {env.get('fla', 'n/a')}, "
            f"causal-conv1d {env.get('causal_conv1d', 'n/a')}",
            f"- date: {env['date']}", f"- command: `{command}`", ""]
-    if moe:
-        out += ["## MoE layer (E = 256, top-8, H = 2048, I = 512; G = 128)", "",
+    for family in dict.fromkeys(r.get("family", "qwen3_5") for r in moe):
+        e, k, h, inter = MOE_FAMILIES[family]
+        name = {"qwen3_5": "Qwen3.5/3.6-MoE", "gpt_oss": "gpt-oss-20b (transposed, interleaved, biased experts, "
+                "clamped SwiGLU)"}[family]
+        out += [f"## MoE layer, {name} (E = {e}, top-{k}, H = {h}, I = {inter}; G = 128)", "",
                 "bf16: transformers' experts module, \"eager\" (its loop over routed experts) and \"grouped_mm\" "
                 "(its default for `from_pretrained` models); ratios are bf16 time / ours (> 1: ours faster). Eager "
                 "calls, and CUDA-graph replays where the path never waits for the host (bf16 grouped_mm; ours at "
@@ -415,7 +457,7 @@ def markdown(env: dict, moe: list[dict], e2e: list[dict], command: str) -> str:
                 "ours us (CUDA graph) | vs eager: ours eager | vs grouped_mm: ours eager | vs grouped_mm eager: ours "
                 "graph | graph vs graph | rel. diff vs bf16 |",
                 "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in moe:
+        for r in (r for r in moe if r.get("family", "qwen3_5") == family):
             nan = float("nan")
             out.append(f"| {r['M']} | {r.get('bits', '3')} | {r['us_bf16']:.0f} | {r.get('us_bf16_grouped', nan):.0f} | "
                        f"{r.get('us_bf16_grouped_graph', nan):.0f} | {r['us_ours']:.0f} | {r['us_ours_graph']:.1f} | "
@@ -448,6 +490,8 @@ def main() -> int:
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--moe-tokens", nargs="+", type=int, default=[1, 2048], metavar="M",
                     help="token counts the MoE layer is timed at (default: 1 2048)")
+    ap.add_argument("--moe-families", nargs="+", default=["qwen3_5"], choices=sorted(MOE_FAMILIES),
+                    help="the expert layers timed (default: qwen3_5; gpt_oss: gpt-oss-20b's layout)")
     ap.add_argument("--compile", nargs="*", default=[], metavar="MODEL",
                     help="also time these models with the forward compiled (torch.compile) before capture")
     ap.add_argument("--fuse", action="store_true",
@@ -467,7 +511,7 @@ def main() -> int:
     if args.profile_moe:
         print(profile_moe(), flush=True)
         return 0
-    moe = [] if args.skip_moe else bench_moe(tokens=args.moe_tokens)
+    moe = [] if args.skip_moe else [r for f in args.moe_families for r in bench_moe(f, tokens=args.moe_tokens)]
     e2e = []
     for key in args.models:
         recipes = args.recipes if key != "qwen36" else sorted(set(args.recipes) | {"tq3", "tq3a-tqTe"})
