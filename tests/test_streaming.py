@@ -621,6 +621,94 @@ def test_transposed_experts_are_refused_by_name(tmp_path, capsys):
                     r"Llama 4\) are not streamed")
 
 
+def _mxfp4_gpt_oss(tmp_path):
+    """A tiny gpt-oss checkpoint in the form gpt-oss ships in: experts in MXFP4 (random E2M1 codes, block scales
+    2^-8 to 2^-4), everything else bf16, a `quantization_config` of method mxfp4; beside it the same model in bf16
+    with the experts holding what transformers' own MXFP4 dequantization makes of them. (MXFP4 folder, bf16
+    folder, {expert tensor: its bf16 value [E, in, out]})."""
+    from test_moe import gpt_oss
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(0)
+    model = gpt_oss().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    tensors = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    decoded = {}
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, n_in, n_out = tensors.pop(key).shape  # (stored [E, in, out]; MXFP4 blocks are [E, out, in / 32, 16])
+        blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(119, 124, (e, n_out, n_in // 32), generator=gen, dtype=torch.uint8)
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+        decoded[key] = convert_moe_packed_tensors(blocks, scales)
+    src = tmp_path / "mxfp4"
+    os.makedirs(src)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(src / "config.json", "w") as f:
+        json.dump(config, f)
+    with torch.no_grad():
+        for key, value in decoded.items():
+            model.get_parameter(key).copy_(value)
+    model.save_pretrained(tmp_path / "bf16")
+    return src, tmp_path / "bf16", decoded
+
+
+def test_gpt_oss_from_mxfp4(tmp_path, capsys):
+    """gpt-oss as it ships (MXFP4 experts): each expert row read from its blocks and scales equals transformers'
+    own dequantization; the converted folder holds exactly the tensors that `from_pretrained` of the dequantized
+    bf16 model + `save_pretrained` write (experts quantized in their published row layout), its config is
+    TurboQuant's alone, and it loads to the same logits."""
+    from turboquant_hf.shards import Mxfp4Tensor, SourceReader
+
+    src, bf16, decoded = _mxfp4_gpt_oss(tmp_path)
+    tensors = StreamingQuantizer(src).tensors
+    assert not any(k.endswith(("_blocks", "_scales")) for k in tensors)
+    reader = SourceReader()
+    for key, value in decoded.items():
+        t = tensors[key]
+        assert isinstance(t, Mxfp4Tensor) and t.rows == value.shape[0] * value.shape[2]
+        rows = torch.cat([reader.rows(t, a, min(t.rows, a + 5)) for a in range(0, t.rows, 5)])  # (uneven slices)
+        assert torch.equal(rows.view(value.shape[0], value.shape[2], value.shape[1]).transpose(1, 2), value), key
+    reader.close()
+    cfg = TurboQuantConfig(bits=4, group_size=64, module_bits={r"experts\.down_proj": 3})
+    _convert(src, tmp_path / "out", quantization_config=cfg)
+    AutoModelForCausalLM.from_pretrained(bf16, quantization_config=cfg).save_pretrained(tmp_path / "ref")
+    assert_same_tensors(tmp_path / "out", tmp_path / "ref")
+    assert "model.layers.0.mlp.experts.gate_up_proj.tq_packed" in safetensors_tensors(tmp_path / "out")
+    with open(tmp_path / "out" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "turboquant"
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(tmp_path / "out")(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(tmp_path / "ref")(ids).logits
+    assert torch.equal(a, b)
+    # the command line takes the streaming converter for an MXFP4 source by itself (loading it whole would keep
+    # its own quantization and ignore the requested one)
+    assert cli.main(["quantize", str(src), "--out", str(tmp_path / "cli"), "--bits", "4", "--group-size", "64",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["converter"] == "streaming"
+    _convert(src, tmp_path / "api", quantization_config=TurboQuantConfig(bits=4, group_size=64))
+    assert_same_tensors(tmp_path / "cli", tmp_path / "api")
+    # `plan` counts the MXFP4 experts as the weights they decode to: the plan of the bf16 folder
+    plans = []
+    for folder in (src, bf16):
+        assert cli.main(["plan", str(folder), "--bits", "4", "--group-size", "64", "--json"]) == 0
+        plans.append({k: v for k, v in json.loads(capsys.readouterr().out).items() if k != "source"})
+    assert plans[0] == plans[1] and plans[0]["tiers"]
+
+
+def test_mxfp4_half_pairs_are_refused(tmp_path, capsys):
+    """An MXFP4 tensor whose scales are missing is refused by name before anything is written."""
+    src, _, _ = _mxfp4_gpt_oss(tmp_path)
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    _assert_refused(src, tmp_path, capsys, r"MXFP4 tensor model\.layers\.1\.mlp\.experts\.down_proj_blocks has no "
+                                           r"_scales partner")
+
+
 @pytest.mark.parametrize("path", ["pool", "device"])
 def test_nan_half_way_leaves_nothing(path, tiny_llama_dir, tmp_path, monkeypatch):
     if path == "device":

@@ -165,16 +165,20 @@ def _quantize_streaming(args, argv, cfg, recipe, out: str, why: str) -> int:
     return _report_quantized(args, out, cfg, {"converter": "streaming", "summary": summary.as_dict()})
 
 
-def _refuse_quantized_source(src: str) -> None:
+def _refuse_quantized_source(src: str) -> bool:
     """`quantize` reads full-precision weights: a checkpoint whose config declares a quantization (TurboQuant,
     turboquant-mlx, FP8, ...) is refused before any work, instead of being loaded with its own settings while
-    the requested bits are silently ignored."""
+    the requested bits are silently ignored. MXFP4 (gpt-oss as it ships) is the exception: the streaming
+    converter reads it as the bfloat16 values it decodes to; returns True for it."""
     path = os.path.join(src, "config.json")
     try:
         with open(path) as f:
             config = json.load(f)
     except (OSError, ValueError):
-        return  # a missing or unreadable config is reported by the loader, naming the file
+        return False  # a missing or unreadable config is reported by the loader, naming the file
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
+        return True
     for cfg in (config, config.get("text_config") or {}):
         if not isinstance(cfg, dict):
             continue
@@ -185,8 +189,9 @@ def _refuse_quantized_source(src: str) -> None:
         hint = ("re-encode it with `turboquant-hf convert SRC --to tq3_native`" if method == "turboquant"
                 else "load it with from_pretrained (it needs no quantization_config)")
         raise CliError(f"{path}: the checkpoint is already quantized (quant_method {method!r}); `quantize` reads "
-                       f"full-precision weights (bf16, fp16 or fp32). Quantize its full-precision source instead, "
-                       f"or {hint}")
+                       f"full-precision weights (bf16, fp16 or fp32) and MXFP4. Quantize its full-precision source "
+                       f"instead, or {hint}")
+    return False
 
 
 def _calibration_from_args(args, cfg) -> None:
@@ -223,11 +228,10 @@ def cmd_quantize(args, argv) -> int:
         raise CliError(f"--out {args.out} already exists; choose another directory or pass --force to replace it")
     if not os.path.isdir(args.src) and not tq_card.looks_like_repo_id(args.src):
         raise CliError(f"{args.src}: neither a local directory nor a Hub repo id (namespace/name)")
-    if os.path.isdir(args.src):
-        _refuse_quantized_source(args.src)
+    mxfp4 = os.path.isdir(args.src) and _refuse_quantized_source(args.src)
     if args.eval and not os.path.isfile(args.eval):
         raise CliError(f"--eval {args.eval}: no such file")
-    streaming, why = _use_streaming(args)
+    streaming, why = (True, "MXFP4 source weights") if mxfp4 else _use_streaming(args)
     if streaming and cfg.target_bits_per_weight is not None:
         raise CliError(f"--target-bits: the streaming converter ({why}) holds one block at a time and cannot measure "
                        "the budget's sensitivities (they need the loss gradient through the whole model); allocate "
@@ -481,6 +485,10 @@ def cmd_plan(args, argv) -> int:
 
     cfg, recipe = _quant_config(args)
     config, tensors, where = _plan_sources(args.src)
+    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        from .shards import mxfp4_header_shapes
+
+        tensors = mxfp4_header_shapes(tensors)  # (planned as the bf16 weights they decode to, as quantize reads them)
     # packed tensors in the headers: the checkpoint is quantized already, and is planned as it is stored
     stored = any(name.endswith(fmt.PACKED_SUFFIX) for name in tensors)
     try:

@@ -69,6 +69,98 @@ class SourceTensor:
         return self.shape[-1] if self.shape else 1
 
 
+# E2M1 (the 4-bit float of MXFP4): codes 0-7 are +0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8-15 the same negated
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # values sharing one scale
+
+
+@dataclass
+class Mxfp4Tensor:
+    """A weight stored in MXFP4 (the OCP microscaling format gpt-oss ships its experts in): `<name>_blocks`, uint8
+    `(..., in/32, 16)` (two E2M1 codes a byte, the low nibble first), and `<name>_scales`, uint8 `(..., in/32)`
+    (the blocks' power-of-two exponents, biased by 127). Read as the bfloat16 rows it decodes to (exactly:
+    every E2M1 value times a power of two is a bfloat16)."""
+
+    name: str
+    blocks: SourceTensor
+    scales: SourceTensor
+    dtype = "BF16"
+
+    @property
+    def file(self) -> str:
+        return self.blocks.file
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.blocks.shape[:-2], self.blocks.shape[-2] * MXFP4_BLOCK)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * 2
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def row_width(self) -> int:
+        return self.shape[-1]
+
+
+def mxfp4_pairs(tensors: dict) -> dict:
+    """`tensors` with each `<name>_blocks` / `<name>_scales` pair replaced by one `Mxfp4Tensor` named `<name>`; a
+    half without the other, or shapes that do not pair up, are errors naming the tensor."""
+    out = dict(tensors)
+    for name in sorted(tensors):
+        if not name.endswith(("_blocks", "_scales")):
+            continue
+        base = name[: -len("_blocks")]
+        blocks, scales = tensors.get(base + "_blocks"), tensors.get(base + "_scales")
+        if blocks is None or scales is None:
+            raise ConversionError(f"{tensors[name].file}: MXFP4 tensor {name} has no {'_scales' if scales is None else '_blocks'} "
+                                  "partner; nothing was written")
+        if (blocks.dtype, scales.dtype) != ("U8", "U8") or tuple(blocks.shape[:-1]) != tuple(scales.shape) or \
+                blocks.shape[-1] != MXFP4_BLOCK // 2:
+            raise ConversionError(f"{blocks.file}: {base}_blocks {blocks.dtype}{list(blocks.shape)} and _scales "
+                                  f"{scales.dtype}{list(scales.shape)} are not MXFP4 blocks of {MXFP4_BLOCK}")
+        out.pop(base + "_blocks", None)
+        out.pop(base + "_scales", None)
+        out[base] = Mxfp4Tensor(base, blocks, scales)
+    return out
+
+
+def mxfp4_header_shapes(tensors: dict) -> dict:
+    """`{name: (dtype, shape)}` from safetensors headers with each MXFP4 pair `<name>_blocks` `(E, out, in/32, 16)`
+    and `<name>_scales` as `<name>`: ("BF16", `(E, in, out)`), the shape and type transformers gives the decoded
+    experts (gpt-oss stores them `[E, in, out]`)."""
+    out = {}
+    for name, (dtype, shape) in tensors.items():
+        if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" in tensors:
+            continue
+        if name.endswith("_blocks") and name[: -len("_blocks")] + "_scales" in tensors and len(shape) == 4:
+            e, rows, nb, _ = shape
+            out[name[: -len("_blocks")]] = ("BF16", (e, nb * MXFP4_BLOCK, rows))
+        else:
+            out[name] = (dtype, shape)
+    return out
+
+
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """uint8 MXFP4 `blocks` `(r, nb, 16)` and `scales` `(r, nb)` -> bfloat16 `(r, nb * 32)`."""
+    r, nb = scales.shape
+    codes = torch.stack((blocks & 15, blocks >> 4), -1).view(r, nb, MXFP4_BLOCK).long()
+    values = torch.tensor(_E2M1, dtype=torch.float32)[codes]
+    return torch.ldexp(values, scales.to(torch.int32).sub_(127).unsqueeze(-1).float()).to(torch.bfloat16).view(r, -1)
+
+
 def read_source_header(path: str) -> dict[str, SourceTensor]:
     """Every tensor of one .safetensors file (`checkpoint.read_safetensors_header`: the header whole and
     consistent, the file complete)."""
@@ -144,6 +236,14 @@ class SourceReader:
         return buf
 
     def rows(self, t: SourceTensor, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(t, Mxfp4Tensor):
+            nb = t.row_width // MXFP4_BLOCK
+            blocks = self.read(t.blocks, r0 * nb * 16, (r1 - r0) * nb * 16).view(r1 - r0, nb, 16)
+            scales = self.read(t.scales, r0 * nb, (r1 - r0) * nb).view(r1 - r0, nb)
+            rows = decode_mxfp4(blocks, scales)
+            if out is None:
+                return rows
+            return out[: rows.numel() * 2].view(torch.bfloat16).view_as(rows).copy_(rows)
         width = t.row_width * t.itemsize
         data = self.read(t, r0 * width, (r1 - r0) * width, out)
         return data.view(TORCH_DTYPES[t.dtype]).view(r1 - r0, t.row_width)

@@ -48,9 +48,11 @@ from .shards import (
     TORCH_DTYPES,
     ConversionError,
     HostBuffers,
+    Mxfp4Tensor,
     SliceWriter,
     SourceReader,
     move_into_place,
+    mxfp4_pairs,
     open_partial,
     peak_rss,
     run_record,
@@ -170,13 +172,15 @@ class StreamingQuantizer(_QuantizerBase):
         if not os.path.isdir(self.source_dir):
             raise ConversionError(f"{source_dir}: no such directory")
         self.tensors = source_index(self.source_dir)
-        self.index = {k: {"dtype": t.dtype, "shape": t.shape, "file": t.file} for k, t in self.tensors.items()}
         config_path = os.path.join(self.source_dir, "config.json")
         if not os.path.isfile(config_path):
             raise ConversionError(f"{self.source_dir}: no config.json")
         with open(config_path) as f:
             self.config = json.load(f)
         self._check_supported()
+        if self.mxfp4:
+            self.tensors = mxfp4_pairs(self.tensors)
+        self.index = {k: {"dtype": t.dtype, "shape": t.shape, "file": t.file} for k, t in self.tensors.items()}
 
     @classmethod
     def from_pretrained(cls, model_or_path, file_name=None):
@@ -202,9 +206,14 @@ class StreamingQuantizer(_QuantizerBase):
 
     def _check_supported(self) -> None:
         """Refuse sources that are already quantized (FP8 with scale tensors, ...): never quantize their stored
-        values as if they were the weights."""
+        values as if they were the weights. MXFP4 (`quant_method` "mxfp4", gpt-oss's experts) is read as the
+        bfloat16 values it decodes to (`shards.Mxfp4Tensor`); sets `self.mxfp4`."""
+        self.mxfp4 = False
         for cfg in (self.config, self.config.get("text_config") or {}):
             qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+            if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4" and cfg is self.config:
+                self.mxfp4 = True
+                continue
             if qc:
                 method = qc.get("quant_method", "?") if isinstance(qc, dict) else qc
                 raise ConversionError(
@@ -271,7 +280,7 @@ class StreamingQuantizer(_QuantizerBase):
         for name, w in targets.items():
             if getattr(w, "rotation", "groups") != "groups":
                 raise ConversionError(f"{name}: the streaming converter writes the {fmt.FORMAT_NAME} layout only")
-            if w.source_transposed and len(w.source_shape) == 3:
+            if w.source_transposed and len(w.source_shape) == 3 and not isinstance(self.tensors.get(name), Mxfp4Tensor):
                 raise ConversionError(
                     f"{name}: experts stored [E, in, out] (gpt-oss, Llama 4) are not streamed in this version; "
                     "quantize them with from_pretrained and save_pretrained. Nothing was written")
@@ -307,6 +316,10 @@ class StreamingQuantizer(_QuantizerBase):
                                 (name + fmt.NORMS_SUFFIX, norms_dtype, (rows, target.n_groups))]
             else:
                 t = sources[0]
+                if isinstance(t, Mxfp4Tensor):
+                    raise ConversionError(f"{t.file}: {name} is stored in MXFP4 and this configuration does not "
+                                          "quantize it; MXFP4 tensors are converted only into TurboQuant weights. "
+                                          "Nothing was written")
                 dtype = keep_dtype if keep_dtype and t.dtype in _QUANTIZABLE else t.dtype
                 unit.outputs = [(name, dtype, t.shape)]
             units.append(unit)
