@@ -45,12 +45,44 @@ def chunked(x, pk, nr, case, rows: int, scratch, rotated: bool):
     return y
 
 
+_SIDE: dict = {}
+
+
+def overlapped(x, pk, nr, case, parts: int, buffers):
+    """The product in `parts` chunks of rows, each decoded on a second stream into one of two buffers while the
+    main stream multiplies the chunk before (the decode is memory-bound, cuBLAS at large M compute-bound)."""
+    n, ng = nr.shape
+    g = case.g
+    rows = (-(-n // parts) + 63) // 64 * 64
+    main = torch.cuda.current_stream()
+    side = _SIDE.setdefault(x.device, torch.cuda.Stream(x.device))
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    side.wait_stream(main)
+    used = [None, None]  # (the event after the product that last read each buffer)
+    for i, a in enumerate(range(0, n, rows)):
+        b = min(n, a + rows)
+        w = buffers[i % 2][: b - a]
+        with torch.cuda.stream(side):
+            if used[i % 2] is not None:
+                side.wait_event(used[i % 2])
+            L.dequantize_lut(pk[a * ng:b * ng], nr[a:b], case.cb_ours, g, x.dtype, case.s1, case.s2, case.k, out=w)
+            done = torch.cuda.Event()
+            done.record(side)
+        main.wait_event(done)
+        torch.mm(x, w.t(), out=y[:, a:b])
+        used[i % 2] = torch.cuda.Event()
+        used[i % 2].record(main)
+    main.wait_stream(side)
+    return y
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="128,256,512,2048")
     ap.add_argument("--mib", default="4,8,16,32")
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--shapes", default="0,1,2,3")
+    ap.add_argument("--parts", default="", help="only the two-stream variant, in these numbers of chunks (e.g. 2,4,8)")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     mibs = [int(v) for v in args.mib.split(",")]
@@ -66,6 +98,22 @@ def main() -> int:
             del bw
             t_op, _ = B.time_calls([lambda pk=pk, nr=nr: torch.ops.turboquant.linear(
                 x, pk, nr, case.cb_ours, case.s1, case.s2, case.g, k) for pk, nr in q], graph=True)
+            if args.parts:
+                cells = [f"bf16 {t_b:.1f}", f"op {t_op:.1f} ({t_b / t_op:.2f}x)"]
+                for parts in (int(v) for v in args.parts.split(",")):
+                    rows = (-(-n // parts) + 63) // 64 * 64
+                    bufs = [torch.empty(rows, k, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+                    y = overlapped(x, q[0][0], q[0][1], case, parts, bufs)
+                    torch.cuda.synchronize()
+                    err = B.rel_err(y, ref)
+                    t, _ = B.time_calls([lambda pk=pk, nr=nr: overlapped(x, pk, nr, case, parts, bufs)
+                                         for pk, nr in q], graph=True)
+                    cells.append(f"2 streams x{parts} {t:.1f} ({t_b / t:.2f}x)" + ("" if err < 2e-2 else f" err {err:.1e}"))
+                    del bufs
+                print(f"{args.bits}-bit {label} M={m}: " + ", ".join(cells), flush=True)
+                del q
+                torch.cuda.empty_cache()
+                continue
             t_du, _ = B.time_calls([lambda pk=pk, nr=nr: L.dequantize_lut(
                 pk, nr, case.cb_ours, case.g, torch.bfloat16, case.s1, case.s2, k) for pk, nr in q], graph=True)
             t_dr, _ = B.time_calls([lambda pk=pk, nr=nr: L.dequantize_lut(
