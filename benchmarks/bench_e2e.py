@@ -90,9 +90,10 @@ def _graph_us(fn, reps: int = 50) -> float:
 # MoE layer
 # ---------------------------------------------------------------------------
 
-MOE_FAMILIES = {  # family -> (E, top-k, H, I): Qwen3.6-35B-A3B's and gpt-oss-20b's expert layers
+MOE_FAMILIES = {  # family -> (E, top-k, H, I): Qwen3.6-35B-A3B's, gpt-oss-20b's and Llama 4 Scout's expert layers
     "qwen3_5": (256, 8, 2048, 512),
     "gpt_oss": (32, 4, 2880, 2880),
+    "llama4": (16, 1, 5120, 8192),
 }
 
 
@@ -112,6 +113,14 @@ def _moe_modules(family: str, e: int, h: int, inter: int, g: int):
         layout = ExpertsLayout(transposed=True, interleaved=True, bias=True, alpha=cfg.swiglu_alpha,
                                limit=cfg.swiglu_limit)
         activation = "clamped_swiglu"
+    elif family == "llama4":
+        from transformers.models.llama4 import Llama4TextConfig
+        from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+        cfg = Llama4TextConfig(hidden_size=h, intermediate_size=inter, num_local_experts=e, num_experts_per_tok=1)
+        base = Llama4TextExperts(cfg).to(DEV, torch.bfloat16)
+        layout = ExpertsLayout(transposed=True, inputs="expert_blocks", top_k=1)
+        activation = "silu"
     else:
         from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
@@ -122,7 +131,7 @@ def _moe_modules(family: str, e: int, h: int, inter: int, g: int):
     with torch.no_grad():
         base.gate_up_proj.normal_(0, 0.02)
         base.down_proj.normal_(0, 0.02)
-        if layout is not None:
+        if layout is not None and layout.bias:
             base.gate_up_proj_bias.normal_(0, 0.1)
             base.down_proj_bias.normal_(0, 0.1)
     # the published orientation: rows are outputs, groups along the inputs
@@ -134,7 +143,7 @@ def _moe_modules(family: str, e: int, h: int, inter: int, g: int):
         ours = TurboQuantExperts(e, h, inter, bits, bits, g, activation, device=DEV, **kw)
         ours.gate_up_proj.load_packed_(*codec.quantize_weight(gu.contiguous(), bits, g))
         ours.down_proj.load_packed_(*codec.quantize_weight(dn.contiguous(), bits, g))
-        if layout is not None:
+        if layout is not None and layout.bias:
             with torch.no_grad():
                 ours.gate_up_proj_bias.copy_(base.gate_up_proj_bias)
                 ours.down_proj_bias.copy_(base.down_proj_bias)
@@ -142,45 +151,60 @@ def _moe_modules(family: str, e: int, h: int, inter: int, g: int):
     return base, cfg, tiers
 
 
+def _moe_inputs(family: str, m: int, e: int, k: int, h: int):
+    """The experts' arguments for `m` tokens with random top-k routing: (hidden, top_k_index, top_k_weights), or for
+    Llama 4 the `(E*m, H)` expert blocks its MoE block hands its experts (each token in its expert's block, scaled
+    by the sigmoid of its score; zero rows elsewhere)."""
+    x = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
+    logits = torch.randn(m, e, device=DEV)
+    if family == "llama4":
+        score, idx = torch.topk(logits, k, dim=-1)
+        blocks = torch.zeros(e, m, h, device=DEV, dtype=torch.bfloat16)
+        for j in range(k):
+            blocks[idx[:, j], torch.arange(m, device=DEV)] = x * torch.sigmoid(score[:, j:j + 1]).to(x.dtype)
+        return (blocks.view(e * m, h),)
+    w, idx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return x, idx, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
 def bench_moe(family: str = "qwen3_5", g=128, tokens=(1, 2048)) -> list[dict]:
     e, k, h, inter = MOE_FAMILIES[family]
     base, cfg, tiers = _moe_modules(family, e, h, inter, g)
+    impls = ("eager",) if family == "llama4" else ("eager", "grouped_mm")  # (Llama 4's experts: one bmm path)
     rows = []
     for m in tokens:
-        x = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
-        logits = torch.randn(m, e, device=DEV)
-        w, idx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-        base_t = {}
+        args = _moe_inputs(family, m, e, k, h)
+        base_t = {"grouped_mm": (float("nan"), None)}
         with torch.no_grad():
-            for impl in ("eager", "grouped_mm"):
+            for impl in impls:
                 cfg._experts_implementation = impl
                 try:
-                    yb = base(x, idx, w)
-                    base_t[impl] = (_events_us(lambda: base(x, idx, w)), yb)
+                    yb = base(*args)
+                    base_t[impl] = (_events_us(lambda: base(*args)), yb)
                 except Exception as exc:  # (an implementation this transformers or GPU lacks)
                     print(f"bf16 experts {impl}: {exc!r}"[:300], flush=True)
                     base_t[impl] = (float("nan"), None)
-            # transformers' grouped_mm path keeps its routing on the device, so it can be captured too
+            # transformers' grouped_mm path keeps its routing on the device, so it can be captured too (Llama 4's
+            # bmm as well)
             t_bgg = float("nan")
-            if base_t["grouped_mm"][1] is not None:
-                cfg._experts_implementation = "grouped_mm"
+            if base_t["grouped_mm"][1] is not None or family == "llama4":
+                cfg._experts_implementation = impls[-1]
                 try:
-                    t_bgg = _graph_us(lambda: base(x, idx, w))
+                    t_bgg = _graph_us(lambda: base(*args))
                 except Exception as exc:
-                    print(f"bf16 grouped_mm capture: {exc!r}"[:300], flush=True)
+                    print(f"bf16 {impls[-1]} capture: {exc!r}"[:300], flush=True)
             yb = base_t["eager"][1]
             for bits, ours in tiers.items():
-                yo = ours(x, idx, w)
-                t_o = _events_us(lambda: ours(x, idx, w))
+                yo = ours(*args)
+                t_o = _events_us(lambda: ours(*args))
                 # ours is captured wherever it does not wait for the host
                 waits = KM.host_waits(m * k, e, 2 * inter * h * 2)
-                t_og = float("nan") if waits else _graph_us(lambda: ours(x, idx, w))
+                t_og = float("nan") if waits else _graph_us(lambda: ours(*args))
                 rel_vs_bf16 = ((yo.float() - yb.float()).norm() / yb.float().norm()).item()
                 t_b, t_bg = base_t["eager"][0], base_t["grouped_mm"][0]
-                row = dict(part="moe", family=family, bits=bits, M=m, us_bf16=t_b, us_bf16_grouped=t_bg, us_bf16_grouped_graph=t_bgg,
-                           us_ours=t_o, us_ours_graph=t_og, ratio=t_b / t_o, ratio_grouped=t_bg / t_o,
-                           ratio_graph=t_b / t_og, ratio_graph_grouped=t_bg / t_og,
+                row = dict(part="moe", family=family, bits=bits, M=m, us_bf16=t_b, us_bf16_grouped=t_bg,
+                           us_bf16_grouped_graph=t_bgg, us_ours=t_o, us_ours_graph=t_og, ratio=t_b / t_o,
+                           ratio_grouped=t_bg / t_o, ratio_graph=t_b / t_og, ratio_graph_grouped=t_bg / t_og,
                            ratio_graphs=t_bgg / t_og, rel_vs_bf16=rel_vs_bf16)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -447,7 +471,8 @@ def markdown(env: dict, moe: list[dict], e2e: list[dict], command: str) -> str:
     for family in dict.fromkeys(r.get("family", "qwen3_5") for r in moe):
         e, k, h, inter = MOE_FAMILIES[family]
         name = {"qwen3_5": "Qwen3.5/3.6-MoE", "gpt_oss": "gpt-oss-20b (transposed, interleaved, biased experts, "
-                "clamped SwiGLU)"}[family]
+                "clamped SwiGLU)", "llama4": "Llama 4 Scout (transposed experts on expert blocks; bf16: its bmm over "
+                "every block)"}[family]
         out += [f"## MoE layer, {name} (E = {e}, top-{k}, H = {h}, I = {inter}; G = 128)", "",
                 "bf16: transformers' experts module, \"eager\" (its loop over routed experts) and \"grouped_mm\" "
                 "(its default for `from_pretrained` models); ratios are bf16 time / ours (> 1: ours faster). Eager "
