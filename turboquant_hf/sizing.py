@@ -243,10 +243,14 @@ EMBEDDING_STYLES = ("embedding_rowwise", "embedding_colwise")
 _SUFFIXES = (".tq_packed", ".tq_norms", ".tq_codebook", ".tq_signs", ".weight", ".bias")
 
 
+WHOLE_EXPERTS = "whole experts"  # (a rule's style: experts that tensor parallelism keeps whole on every rank)
+
+
 def tensor_parallel_rules(config: dict) -> list[tuple[re.Pattern, str]]:
     """The tensor parallel plan the installed transformers applies to this model's language model (`model.tp_plan`
     of the model built on the meta device from the text config, with at most 8 layers: the plan names layers by
-    `*`), as (regex on module names, style); it matches under any prefix (`model.`, `model.language_model.`)."""
+    `*`), as (regex on module names, style); it matches under any prefix (`model.`, `model.language_model.`).
+    Fused experts that stay whole on every rank come first, with the style WHOLE_EXPERTS (their tensors too)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -265,7 +269,19 @@ def tensor_parallel_rules(config: dict) -> list[tuple[re.Pattern, str]]:
     except (ValueError, KeyError, TypeError) as e:
         raise PlanError(f"transformers cannot build {model_type!r} from its config.json ({e})") from e
     plan = dict(getattr(model, "tp_plan", None) or {})
-    return [(re.compile(r"(^|\.)" + re.escape(k).replace(r"\*", r"\d+") + "$"), v) for k, v in plan.items()]
+    rules = [(re.compile(r"(^|\.)" + re.escape(k).replace(r"\*", r"\d+") + "$"), v) for k, v in plan.items()]
+    # fused experts in another layout than gate rows then up rows, unbiased, [E, out, in] (gpt-oss, Llama 4), that
+    # the plan does not name: kept whole on every rank (`tensor_parallel.splittable`)
+    from .experts_layout import fused_experts_geometry
+
+    whole = set()
+    for name, module in model.named_modules():
+        gu = getattr(module, "gate_up_proj", None)
+        if isinstance(gu, torch.Tensor) and gu.dim() == 3 and fused_experts_geometry(module) is None and \
+                not any(rx.search(name) for rx, _ in rules):
+            whole.add(re.sub(r"\.\d+\.", ".*.", name))
+    return [(re.compile(r"(^|\.)" + re.escape(k).replace(r"\*", r"\d+") + r"(\.|$)"), WHOLE_EXPERTS)
+            for k in sorted(whole)] + rules
 
 
 class TensorParallelSplit:
@@ -290,6 +306,8 @@ class TensorParallelSplit:
         module = name
         for suffix in _SUFFIXES:
             module = module.removesuffix(suffix)
+        if any(style == WHOLE_EXPERTS and rx.search(module) for rx, style in self.rules):
+            return None
         if quantized and re.search(r"\.experts(\.|$)", module):
             return "experts"
         for rx, style in self.rules:

@@ -13,9 +13,11 @@ with them:
 - row-wise (`rowwise`, `rowwise_rep`, `rowwise_split_input`): the input width is split on group boundaries; a
   split that would cut a group is refused (`TensorParallelError`, naming the layer and the sizes). The partial
   products are summed across ranks (all-reduce), then the bias is added once.
-- fused MoE experts (`moe_tp_experts`, and every TurboQuant experts module the plan does not name, as
-  `turboquant_experts`): each expert's intermediate width is split: its gate and up rows, and down's input width
-  on group boundaries; the partial outputs are summed across ranks.
+- fused MoE experts (`moe_tp_experts`, and every TurboQuant experts module in the default layout that the plan
+  does not name, as `turboquant_experts`): each expert's intermediate width is split: its gate and up rows, and
+  down's input width on group boundaries; the partial outputs are summed across ranks. Experts in another layout
+  that the plan does not name (gpt-oss's, whose plan names no experts) stay whole on every rank, as transformers
+  keeps them in bf16; named by a plan, they are refused.
 - expert parallelism (the model's expert plan: `ep_dispatch_experts` from transformers 5.21, 5.17's
   `enable_expert_parallel` plan): each rank keeps whole experts, `num_experts / world` of them.
 
@@ -123,10 +125,17 @@ def route_parallel_plans(model: nn.Module) -> dict:
         styles["ep_dispatch_experts"] = ExpertDispatchStyle
     patterns = [re.compile(re.escape(k).replace(r"\*", r"\d+") + "$") for k in plan]
     for name, module in model.named_modules():
-        if isinstance(module, TurboQuantExperts) and not any(p.match(name) for p in patterns):
+        if isinstance(module, TurboQuantExperts) and not any(p.match(name) for p in patterns) and splittable(module):
             plan[re.sub(r"\.\d+\.", ".*.", name)] = ADDED_EXPERTS_STYLE
             styles[ADDED_EXPERTS_STYLE] = TurboQuantStyle
     return styles
+
+
+def splittable(module: TurboQuantExperts) -> bool:
+    """Whether tensor parallelism can split this experts module (the default layout, per-group rotation). The plan
+    is given an entry only for those; others the plan does not name stay whole on every rank, as transformers
+    keeps the bf16 experts of a model whose plan does not name them (gpt-oss)."""
+    return module.layout == DEFAULT_LAYOUT and module.rotation == "groups"
 
 
 class TurboQuantStyle:
