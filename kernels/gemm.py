@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import tuning
 from .gemv_mma import _mma_pairs, _mma_pairs2, _mma_scale, _mma_values, _mma_words, _norm_pattern
-from .launch import cdiv, launch, triton_version
+from .launch import cdiv, launch, next_power_of_2, triton_version
 from .lut import _byte_tables, _unit_nibbles
 from .ptx import _TOP3_ASM
 
@@ -259,6 +259,26 @@ def _gemm_kernel(x_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
 
 
 @triton.jit
+def _routed_block(offs_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
+    """Block `program_id(0)` of the routed products (`_routed_gemm_kernel`, `moe._routed_lut_mm_kernel`): blocks of
+    BM rows inside each expert's group, group e ending at `offs[e]`, numbered group after group. Returns (its
+    expert, E for a block past the last group; its rows, clamped into the group; which of them are in it)."""
+    b = tl.program_id(0)
+    ee = tl.arange(0, EP)
+    ends = tl.load(offs_ptr + ee, mask=ee < E, other=0)
+    starts = tl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
+    blocks = (tl.maximum(ends - starts, 0) + BM - 1) // BM
+    last = tl.cumsum(blocks, 0)  # (blocks of groups 0..e)
+    ex = tl.sum((last <= b).to(tl.int32), 0)
+    pick = ee == ex
+    row0 = tl.sum(tl.where(pick, starts + (b - (last - blocks)) * BM, 0), 0)
+    end = tl.sum(tl.where(pick, ends, 0), 0)
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < end
+    return ex, tl.minimum(rows, end - 1), rmask
+
+
+@triton.jit
 def _routed_gemm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, N, stride_xm, stride_om,
                         E: tl.constexpr, EP: tl.constexpr, NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr,
                         BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
@@ -270,21 +290,9 @@ def _routed_gemm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_
     Program (b, j): block b of BM rows inside one expert's group (the block's expert is found from the group
     sizes, so the grid is a bound known without the counts: blocks past the last group return at once), weight
     rows j*BN ... of that expert. GATHER: row r reads x row `xrow[r]` (the routed pairs' tokens), else row r."""
-    b = tl.program_id(0)
-    ee = tl.arange(0, EP)
-    ends = tl.load(offs_ptr + ee, mask=ee < E, other=0)
-    starts = tl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
-    blocks = (tl.maximum(ends - starts, 0) + BM - 1) // BM
-    last = tl.cumsum(blocks, 0)  # (blocks of groups 0..e)
-    ex = tl.sum((last <= b).to(tl.int32), 0)
+    ex, rows, rmask = _routed_block(offs_ptr, E, EP, BM)
     if ex >= E:
         return
-    pick = ee == ex
-    row0 = tl.sum(tl.where(pick, starts + (b - (last - blocks)) * BM, 0), 0)
-    end = tl.sum(tl.where(pick, ends, 0), 0)
-    rows = row0 + tl.arange(0, BM)
-    rmask = rows < end
-    rows = tl.minimum(rows, end - 1)
     if GATHER:
         src = tl.load(xrow_ptr + rows).to(tl.int64)
     else:
@@ -399,14 +407,18 @@ def gemm(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeboo
     return out
 
 
+def routed_block_rows(pairs: int, experts: int) -> int:
+    """Rows a block of the routed products (`routed_gemm`, `moe.routed_lut_mm`) takes for `pairs` rows over `experts`
+    groups: twice the mean group size rounded up to a power of two, 16 to 128 (a group seldom spans two blocks, so
+    each routed expert's tiles are decoded about once)."""
+    mean = max(1, -(-pairs // experts))
+    return max(16, min(128, next_power_of_2(2 * mean)))
+
+
 def routed_config(pairs: int, experts: int, n: int, n_levels: int, group_size: int) -> tuple:
     """(BM, BN, BK, SWAP, LANES, num_warps, num_stages) of `routed_gemm` for `pairs` rows over `experts` groups:
-    blocks of twice the mean group size rounded up to a power of two, 16 to 128 rows (a group seldom spans two
-    blocks, so each routed expert's tiles are decoded about once), the weight on the left."""
-    mean = max(1, -(-pairs // experts))
-    bm = 16
-    while bm < 128 and bm < 2 * mean:
-        bm *= 2
+    blocks of `routed_block_rows`, the weight on the left."""
+    bm = routed_block_rows(pairs, experts)
     bn, warps = (64, 4) if bm <= 32 or n <= 1024 else (128, 4 if bm <= 64 else 8)
     bk = min(group_size, 128)
     lanes = bn % (16 * warps) == 0 and bk % (4 * lane_unit(n_levels)) == 0

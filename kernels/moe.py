@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from . import gemm
+from .gemm import _routed_block
 from . import linear as L
 from . import tuning as T
 from .launch import cdiv, launch, next_power_of_2
@@ -674,21 +675,9 @@ def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, ou
     rows j*BN ... of that expert. GATHER: row r reads x row `xrow[r]` (the routed pairs' tokens), else row r."""
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     NUT: tl.constexpr = NG * UPG
-    b = tl.program_id(0)
-    ee = tl.arange(0, EP)
-    ends = tl.load(offs_ptr + ee, mask=ee < E, other=0)
-    starts = tl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
-    blocks = (tl.maximum(ends - starts, 0) + BM - 1) // BM
-    last = tl.cumsum(blocks, 0)  # (blocks of groups 0..e)
-    ex = tl.sum((last <= b).to(tl.int32), 0)
+    ex, rows, rmask = _routed_block(offs_ptr, E, EP, BM)
     if ex >= E:
         return
-    pick = ee == ex
-    row0 = tl.sum(tl.where(pick, starts + (b - (last - blocks)) * BM, 0), 0)
-    end = tl.sum(tl.where(pick, ends, 0), 0)
-    rows = row0 + tl.arange(0, BM)
-    rmask = rows < end
-    rows = tl.minimum(rows, end - 1)
     if GATHER:
         src = tl.load(xrow_ptr + rows).to(tl.int64)
     else:
@@ -715,12 +704,9 @@ def _routed_lut_mm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, ou
 
 
 def _routed_config(pairs: int, e: int) -> tuple[int, int]:
-    """(rows per block, weight rows per program) of `routed_lut_mm`: blocks of twice the mean group size rounded up
-    to a power of two, 16 to 128 (a group seldom spans two blocks, so each routed expert's tiles are decoded about
-    once), 64 weight rows for the smallest blocks and 128 otherwise; four warps (eight were slower, 256-row blocks
-    spill)."""
-    mean = max(1, -(-pairs // e))
-    bm = max(16, min(128, next_power_of_2(2 * mean)))
+    """(rows per block, weight rows per program) of `routed_lut_mm`: blocks of `gemm.routed_block_rows`, 64 weight
+    rows for the smallest blocks and 128 otherwise; four warps (eight were slower, 256-row blocks spill)."""
+    bm = gemm.routed_block_rows(pairs, e)
     return bm, 64 if bm == 16 else 128
 
 
