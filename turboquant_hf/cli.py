@@ -323,55 +323,39 @@ def _report_quantized(args, out: str, cfg, extra: dict) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # push
 def _push(directory: str, repo_id: str, private: bool, message: str | None, args) -> dict:
-    from huggingface_hub import CommitOperationAdd
-
+    """`saving.push_folder` with the card rendered for `repo_id`, a progress bar, and the failures as CliError."""
     from . import card as tq_card
+    from .saving import PushError, push_folder
 
-    try:
-        tq_card.check_checkpoint(directory)
-    except tq_card.CardError as e:
-        raise CliError(f"push: {e}") from e
-    api = _hub_api()
     retry = (f"Nothing in {directory} was changed; run `turboquant-hf push {directory} {repo_id}` again "
              "(the upload is a single commit: a failed push leaves the repository as it was).")
-    step = f"creating the repository {repo_id}"
+    steps = {"create repo": f"creating the repository {repo_id}", "upload": f"uploading {directory} to {repo_id}",
+             "check": f"checking the upload of {repo_id}"}
+    where = ["checking the checkpoint"]
     bar = _progress(total=3, desc="push", unit="step")
+
+    def on_step(name: str) -> None:
+        if where[0] in steps.values():
+            bar.update()
+        where[0] = steps[name]
+        bar.set_postfix_str(name)
+
     try:
-        bar.set_postfix_str("create repo")
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        result = push_folder(directory, repo_id, private=private, api=_hub_api(), on_step=on_step,
+                             commit_message=message or "Upload TurboQuant checkpoint with turboquant-hf",
+                             card=lambda full_id: tq_card.render_card(directory, repo_id=full_id))
         bar.update()
-        step = f"uploading {directory} to {repo_id}"
-        bar.set_postfix_str("upload")
-        card = tq_card.render_card(directory, repo_id=repo_id).encode("utf-8")
-        ops = [CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card)]
-        for root, dirs, files in os.walk(directory):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(files):
-                rel = os.path.relpath(os.path.join(root, name), directory).replace(os.sep, "/")
-                if rel == "README.md" or name.startswith(".") or name.endswith(".tmp"):
-                    continue
-                ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(root, name)))
-        info = api.create_commit(repo_id, operations=ops,
-                                 commit_message=message or "Upload TurboQuant checkpoint with turboquant-hf")
-        bar.update()
-        step = f"checking the upload of {repo_id}"
-        bar.set_postfix_str("check")
-        files = {s.rfilename for s in (api.model_info(repo_id).siblings or [])}
-        missing = sorted(op.path_in_repo for op in ops if op.path_in_repo not in files)
-        if missing:
-            raise CliError(f"push: the Hub lists no {', '.join(missing)} after the commit. {retry}", EXIT_HUB)
-        bar.update()
-    except CliError:
-        raise
+    except tq_card.CardError as e:
+        raise CliError(f"push: {e}") from e
+    except PushError as e:
+        raise CliError(f"push: {e}. {retry}", EXIT_HUB) from e
     except Exception as e:
         if hub_errors.is_hub_exception(e):
-            raise _hub_error(e, step, retry) from e
+            raise _hub_error(e, where[0], retry) from e
         raise
     finally:
         bar.close()
-    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-    return {"repo_id": repo_id, "url": f"{endpoint}/{repo_id}", "commit": getattr(info, "oid", None),
-            "files": len(ops)}
+    return result
 
 
 def cmd_push(args, argv) -> int:

@@ -72,9 +72,8 @@ def save_pretrained(self, save_directory, *args, model_card: bool = True, base_m
     if model_card:
         _write_card(self, save_directory, repo_id=repo_id, base_model=base_model, tags=tags)
     if push:
-        api.upload_folder(folder_path=str(save_directory), repo_id=repo_id, token=kwargs.get("token"),
-                          commit_message=hub_kwargs.get("commit_message") or "Upload TurboQuant model",
-                          create_pr=hub_kwargs.get("create_pr", False))
+        push_folder(save_directory, repo_id, token=kwargs.get("token"), commit_message=hub_kwargs.get("commit_message"),
+                    create_pr=hub_kwargs.get("create_pr", False), api=api)
     return result
 
 
@@ -122,6 +121,57 @@ def _write_card(model, save_directory, repo_id=None, base_model=None, tags=None)
         f.write(text)
 
 
+class PushError(RuntimeError):
+    """The Hub does not list every file of a push after its commit."""
+
+
+DEFAULT_COMMIT_MESSAGE = "Upload TurboQuant model"
+
+
+def push_folder(directory, repo_id: str, *, private: bool | None = None, token=None, revision: str | None = None,
+                create_pr: bool = False, commit_message: str | None = None, card=None, api=None,
+                on_step=None) -> dict:
+    """Upload a saved TurboQuant folder to the Hub in one commit, then check that the Hub lists every file: the one
+    way the command line (`turboquant-hf push`, `quantize --push-to-hub`), `save_pretrained(push_to_hub=True)` and
+    `push_to_hub` publish. The repository is created when missing. Files and folders whose name starts with a dot,
+    and `*.tmp` files, are left out; `card`: the README.md text to upload in place of the folder's, or a function of
+    the repository's full id (as the Hub names it once created) that returns it. A failed
+    commit leaves the repository as it was. `on_step(name)`: called before each of "create repo", "upload",
+    "check". Returns {"repo_id", "url", "commit", "files"}; `card.CardError` when the folder is not a TurboQuant
+    checkpoint, `PushError` when the Hub lists a file missing after the commit."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from . import card as tq_card
+
+    tq_card.check_checkpoint(str(directory))
+    api = api or HfApi()
+    step = on_step or (lambda name: None)
+    step("create repo")
+    repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+    step("upload")
+    if callable(card):
+        card = card(repo_id)
+    ops = [] if card is None else [CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8"))]
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(root, name), directory).replace(os.sep, "/")
+            if (card is not None and rel == "README.md") or name.startswith(".") or name.endswith(".tmp"):
+                continue
+            ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(root, name)))
+    info = api.create_commit(repo_id, operations=ops, commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
+                             token=token, revision=revision, create_pr=create_pr)
+    step("check")
+    if not create_pr:  # (a pull request's files are not on the revision yet)
+        listed = {f.rfilename for f in (api.model_info(repo_id, revision=revision, token=token).siblings or [])}
+        missing = sorted(op.path_in_repo for op in ops if op.path_in_repo not in listed)
+        if missing:
+            raise PushError(f"the Hub lists no {', '.join(missing)} in {repo_id} after the commit")
+    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    return {"repo_id": repo_id, "url": f"{endpoint}/{repo_id}", "commit": getattr(info, "oid", None),
+            "files": len(ops)}
+
+
 def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
                  token=None, create_pr: bool = False, revision: str | None = None, tags=None,
                  base_model=None, **save_kwargs):
@@ -139,5 +189,5 @@ def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, privat
     with tempfile.TemporaryDirectory() as tmp:
         self.save_pretrained(tmp, model_card=False, **save_kwargs)
         _write_card(self, tmp, repo_id=repo_id, base_model=base_model, tags=tags)
-        return api.upload_folder(folder_path=tmp, repo_id=repo_id, token=token, revision=revision,
-                                 create_pr=create_pr, commit_message=commit_message or "Upload TurboQuant model")
+        return push_folder(tmp, repo_id, token=token, revision=revision, create_pr=create_pr,
+                           commit_message=commit_message, api=api)
