@@ -112,12 +112,28 @@ def read_checkpoint_index(files: Iterable[str]) -> dict[str, dict[str, Any]]:
     return index
 
 
-def read_tq_config(directory: str) -> dict[str, Any] | None:
-    path = os.path.join(directory, fmt.TQ_CONFIG_NAME)
-    if not os.path.isfile(path):
+def read_tq_config(path) -> dict[str, Any] | None:
+    """The `tq_config.json` of a checkpoint folder (or that file itself): the one reader of it. None where there is
+    none; CheckpointError naming the file where it is not JSON."""
+    path = os.fspath(path) if path else path
+    if path and os.path.isdir(path):
+        path = os.path.join(path, fmt.TQ_CONFIG_NAME)
+    if not path or not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: unreadable {fmt.TQ_CONFIG_NAME}: {e}") from e
+
+
+def write_tq_config(directory, tq: dict) -> None:
+    """Write a checkpoint folder's `tq_config.json` (the one writer of it): whole or not at all (a temporary file
+    renamed into place)."""
+    path = os.path.join(os.fspath(directory), fmt.TQ_CONFIG_NAME)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(tq, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def packed_weight_keys(index: dict[str, Any]) -> list[str]:

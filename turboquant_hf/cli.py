@@ -445,8 +445,8 @@ def _plan_tq_config(src: str) -> dict | None:
     if os.path.isdir(src):
         try:
             return ckpt.read_tq_config(src)
-        except ValueError as e:
-            raise CliError(f"plan: {os.path.join(src, fmt.TQ_CONFIG_NAME)}: not JSON: {e}") from e
+        except ckpt.CheckpointError as e:
+            raise CliError(f"plan: {e}") from e
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 

@@ -26,10 +26,10 @@ tensors) and the error says that loading it again works as it is.
 
 from __future__ import annotations
 
-import json
 import os
 
 from . import format as fmt
+from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
 from .config import QUANT_METHOD, TurboQuantConfig
 
@@ -58,7 +58,7 @@ def _find_tq_config(path, kwargs: dict, commit_hash) -> dict | None:
     else:
         candidate = _cached_in_hub_cache(path, subfolder, kwargs.get("cache_dir"),
                                          commit_hash or kwargs.get("revision"))
-    return _read_tq_config(candidate)
+    return ckpt.read_tq_config(candidate)
 
 
 def _cached_in_hub_cache(repo_id: str, subfolder: str, cache_dir, revision) -> str | None:
@@ -83,17 +83,7 @@ def fetch_tq_config(repo_id: str, revision) -> dict | None:
         repo_id, fmt.TQ_CONFIG_NAME, revision=revision, _raise_exceptions_for_gated_repo=False,
         _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False,
     )
-    return _read_tq_config(candidate)
-
-
-def _read_tq_config(candidate) -> dict | None:
-    if not candidate or not os.path.isfile(candidate):
-        return None
-    try:
-        with open(candidate, encoding="utf-8") as f:
-            return json.load(f)
-    except ValueError as e:
-        raise CheckpointError(f"{candidate}: unreadable {fmt.TQ_CONFIG_NAME}: {e}") from e
+    return ckpt.read_tq_config(candidate)
 
 
 def complete_config_dict(cls, path, config_dict: dict, kwargs: dict) -> dict:

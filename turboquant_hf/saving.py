@@ -16,7 +16,6 @@ from huggingface_hub import ModelCard
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from . import format as fmt
 from .config import TurboQuantConfig
 from .modules import TurboQuantWeight
 from .planning import checkpoint_to_model_keys
@@ -56,10 +55,7 @@ def save_pretrained(self, save_directory, *args, model_card: bool = True, base_m
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     if not kwargs.get("is_main_process", True) or os.path.isfile(save_directory):
         return result
-    path = os.path.join(save_directory, fmt.TQ_CONFIG_NAME)
-    with open(path + ".tmp", "w") as f:
-        json.dump(describe_quantized_model(self, save_directory), f, indent=2)
-    os.replace(path + ".tmp", path)
+    ckpt.write_tq_config(save_directory, describe_quantized_model(self, save_directory))
     _save_source_tokenizer(self, save_directory)
     repo_id = None
     if push:

@@ -450,9 +450,7 @@ class StreamingQuantizer(_QuantizerBase):
             config["dtype"] = str(TORCH_DTYPES[keep_dtype]).replace("torch.", "")
         with open(os.path.join(out_dir, "config.json"), "w") as fh:
             json.dump(config, fh, indent=2)
-        tq = cfg.to_tq_config(self._n_targets, self._orig_in_dims, self.source_dir)
-        with open(os.path.join(out_dir, fmt.TQ_CONFIG_NAME), "w") as fh:
-            json.dump(tq, fh, indent=2)
+        ckpt.write_tq_config(out_dir, cfg.to_tq_config(self._n_targets, self._orig_in_dims, self.source_dir))
 
     def _write_card(self, out_dir, save_dir, base_model, build_info) -> None:
         """The model card README.md, rendered from the files by the same generator save_pretrained uses."""
