@@ -12,6 +12,7 @@ import yaml
 
 from turboquant_hf import TurboQuantConfig
 from turboquant_hf import card as tq_card
+from turboquant_hf import model_shape
 
 SECTIONS = ["## Size", "## How to use", "## Memory plan", "## Recipe", "## Limitations", "## Citation"]
 
@@ -189,11 +190,11 @@ def test_memory_helpers():
     by_types = {"text_config": dict(text, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10)}
     del by_types["text_config"]["full_attention_interval"]
     for cfg in (by_interval, by_types):
-        assert tq_card.kv_cache_per_token(cfg, 2)["bytes"] == 20480
-        assert tq_card.recurrent_state_bytes(cfg, 2)["layers"] == 30
+        assert model_shape.kv_cache_per_token(cfg, 2)["bytes"] == 20480
+        assert model_shape.recurrent_state_bytes(cfg, 2)["layers"] == 30
     llama = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
-    assert tq_card.kv_cache_per_token(llama, 2)["bytes"] == 30 * 3 * 64 * 2 * 2
-    assert tq_card.recurrent_state_bytes(llama)["bytes"] == 0
+    assert model_shape.kv_cache_per_token(llama, 2)["bytes"] == 30 * 3 * 64 * 2 * 2
+    assert model_shape.recurrent_state_bytes(llama)["bytes"] == 0
 
 
 def test_not_a_turboquant_checkpoint(tiny_llama_dir, tmp_path):

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 from . import checkpoint as ckpt
-from . import hub_errors, sizing
+from . import hub_errors, model_shape, sizing
 from .cli_parser import build_parser
 
 EXIT_OK = 0
@@ -501,7 +501,7 @@ def cmd_plan(args, argv) -> int:
             weights = tp[f"weights_{suffix}_per_gpu"] if tp else plan[f"weights_{suffix}"]
             room = gb * 1e9 - weights - plan["recurrent_state_bytes"] * args.batch
             longest = int(room // per_token) if per_token and room > 0 else 0
-            limit = int(tq_card.text_config(config).get("max_position_embeddings") or 0)
+            limit = int(model_shape.text_config(config).get("max_position_embeddings") or 0)
             plan[f"max_context_{key}"] = min(longest, limit) if limit else longest
             budget_ok = budget_ok and fits
     if stored:

@@ -14,7 +14,7 @@ import torch
 from . import card as tq_card
 from . import checkpoint as ckpt
 from . import format as fmt
-from . import layout, planning
+from . import layout, model_shape, planning
 from .config import TurboQuantConfig
 from .modules import TurboQuantWeight
 
@@ -142,9 +142,9 @@ def _plan_weights(tiers: dict, full_bytes: int, full_count: int, base_bytes: int
 def _plan_runtime(plan: dict, config: dict, kv_dtype: str, context: int | None, batch: int) -> dict[str, Any]:
     """`plan` (its weights part) with the KV cache, the recurrent state and the totals added."""
 
-    kv = tq_card.kv_cache_per_token(config, KV_DTYPE_BYTES[kv_dtype])
-    rec = tq_card.recurrent_state_bytes(config, KV_DTYPE_BYTES[kv_dtype])
-    tc = tq_card.text_config(config)
+    kv = model_shape.kv_cache_per_token(config, KV_DTYPE_BYTES[kv_dtype])
+    rec = model_shape.recurrent_state_bytes(config, KV_DTYPE_BYTES[kv_dtype])
+    tc = model_shape.text_config(config)
     context = context or int(tc.get("max_position_embeddings") or 4096)
     kv_total = kv["bytes"] * context * batch
     total = plan["weights_bytes"] + kv_total + rec["bytes"] * batch
@@ -158,7 +158,7 @@ def _stored_quantization_config(config: dict, tq_config: dict | None) -> dict:
     """The TurboQuant quantization_config a checkpoint declares: config.json's (or its text_config's), else
     tq_config.json."""
 
-    for cfg in (config, tq_card.text_config(config)):
+    for cfg in (config, model_shape.text_config(config)):
         qc = cfg.get("quantization_config")
         if isinstance(qc, dict) and qc.get("quant_method") == "turboquant":
             return qc
@@ -177,7 +177,7 @@ def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = Non
     qc = _stored_quantization_config(config, tq_config)
     group_size = int(qc.get("group_size") or (tq_config or {}).get("group_size") or 128)
     orig_in = (tq_config or {}).get("orig_in_dims") or {}
-    tc = tq_card.text_config(config)
+    tc = model_shape.text_config(config)
     base_dtype = str(tc.get("dtype") or tc.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
                      or "bfloat16").replace("torch.", "")
     base_dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(base_dtype, 2)
@@ -254,7 +254,7 @@ def tensor_parallel_rules(config: dict) -> list[tuple[re.Pattern, str]]:
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    tc = dict(tq_card.text_config(config))
+    tc = dict(model_shape.text_config(config))
     model_type = tc.get("model_type") or config.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise PlanError(f"transformers does not know the model type {model_type!r}")
