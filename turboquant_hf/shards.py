@@ -71,6 +71,7 @@ class SourceTensor:
 
 # E2M1 (the 4-bit float of MXFP4): codes 0-7 are +0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8-15 the same negated
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_E2M1_VALUES = torch.tensor(_E2M1, dtype=torch.float32)
 MXFP4_BLOCK = 32  # values sharing one scale
 
 
@@ -157,7 +158,7 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """uint8 MXFP4 `blocks` `(r, nb, 16)` and `scales` `(r, nb)` -> bfloat16 `(r, nb * 32)`."""
     r, nb = scales.shape
     codes = torch.stack((blocks & 15, blocks >> 4), -1).view(r, nb, MXFP4_BLOCK).long()
-    values = torch.tensor(_E2M1, dtype=torch.float32)[codes]
+    values = _E2M1_VALUES[codes]
     return torch.ldexp(values, scales.to(torch.int32).sub_(127).unsqueeze(-1).float()).to(torch.bfloat16).view(r, -1)
 
 
