@@ -1,9 +1,9 @@
 """Choose `tuning.GEMM_CONFIGS` and the smallest M worth the GEMM from a `sweep_gemm.py --json` file.
 
-    python pick_gemm_configs.py sweep.json [--write ../kernels/tuning.py]
+    python pick_gemm_configs.py sweep.json [--write ../kernels/tuning.py] [--prefetch 1]
 
-Per swept M (one bucket each, the largest for any larger M): the configuration (split-K left to `gemm_config`)
-whose time, relative to the best configuration of each shape, has the smallest geometric mean over the shapes.
+Per swept M (one bucket each, the largest for any larger M): the configuration (its split-K the bucket's largest;
+`gemm_config` may take fewer where the tiles fill the GPU; the rows of the `--prefetch` mode only) whose time, relative to the best configuration of each shape, has the smallest geometric mean over the shapes.
 The smallest M printed is the smallest swept M from which on the GEMM with the rotation beats the op without the
 GEMM on every shape at every larger swept M (`TURBOQUANT_GEMM_MIN_M`, `tuning.GEMM_MIN_M`).
 """
@@ -20,8 +20,8 @@ import sys
 def pick(rows: list[dict]) -> tuple[list[tuple[int, tuple]], int | None]:
     by_m: dict[int, dict] = {}
     for r in rows:
-        bm, bn, _bk, _split, swap, lanes, group, warps, stages = r["cfg"]
-        key = (bm, bn, bool(swap), bool(lanes), group, warps, stages)
+        bm, bn, _bk, split, swap, lanes, group, warps, stages = r["cfg"]
+        key = (bm, bn, bool(swap), bool(lanes), group, warps, stages, split)
         cell = by_m.setdefault(r["m"], {}).setdefault(r["shape"], {})
         cell[key] = min(cell.get(key, math.inf), r["us"])
     table, wins = [], {}
@@ -63,9 +63,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("sweep")
     p.add_argument("--write", default="")
+    p.add_argument("--prefetch", type=int, default=1)
     args = p.parse_args()
     with open(args.sweep) as f:
-        rows = json.load(f)
+        rows = [r for r in json.load(f) if int(r.get("prefetch", 0)) == args.prefetch]
     table, min_m = pick(rows)
     text = render(table)
     print(text)

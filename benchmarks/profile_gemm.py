@@ -165,7 +165,12 @@ def main() -> int:
     ap.add_argument("--once", action="store_true")
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--moe-tokens", type=int, default=2048)
+    ap.add_argument("--prefetch", type=int, default=None, help="set tuning.GEMM_PREFETCH (default: as it is)")
     args = ap.parse_args()
+    if args.prefetch is not None:
+        from turboquant_hf.kernels import tuning
+
+        tuning.GEMM_PREFETCH = bool(args.prefetch)
     if args.moe:
         moe(args)
     else:

@@ -3,6 +3,10 @@
 now) and bf16 cuBLAS in the same run, as CUDA-graph replays over weight copies that overflow the L2.
 
     python sweep_gemm.py [--bits 3] [--ms 16,32,64,128,256,512,2048] [--shapes 4096x4096,...] [--json out.json]
+                         [--prefetch 0,1]
+
+`--prefetch 0,1` times every configuration without and with `tuning.GEMM_PREFETCH` (the next block's packed words
+loaded before the current block is decoded).
 
 Every candidate's output is checked against the float32 reference first (relative error column); a candidate that
 fails to compile or is wrong is reported and skipped.
@@ -65,8 +69,8 @@ def splits(m: int, n: int, ng: int, g: int, bm: int, bn: int) -> list[int]:
     return out
 
 
-def jobs_for(bits, shapes, ms, all_splits):
-    """Every (bits, k, n, m, cfg) the sweep will time."""
+def jobs_for(bits, shapes, ms, all_splits, prefetch=(0,)):
+    """Every (bits, k, n, m, cfg, prefetch) the sweep will time."""
     out = []
     for label, k, n in shapes:
         nl = fmt.levels_for_bits(bits)
@@ -76,13 +80,15 @@ def jobs_for(bits, shapes, ms, all_splits):
                 sps = splits(m, n, ng, 128, bm, bn) if all_splits else sorted(
                     {1, GM.gemm_config(m, n, ng, nl, 128)[3]} | set(splits(m, n, ng, 128, bm, bn)[-1:]))
                 for sp in sps:
-                    out.append((bits, k, n, m, (bm, bn, 128, sp, swap, lanes, group, warps, stages)))
+                    for pf in prefetch:
+                        out.append((bits, k, n, m, (bm, bn, 128, sp, swap, lanes, group, warps, stages), pf))
     return out
 
 
 def _compile_job(job):
     """Compile one job's kernel (a launch on random words: Triton's disk cache then serves the timing run)."""
-    bits, k, n, m, cfg = job
+    bits, k, n, m, cfg, pf = job
+    T.GEMM_PREFETCH = bool(pf)
     try:
         nl = fmt.levels_for_bits(bits)
         knl = 4 if nl == 3 else nl
@@ -121,12 +127,14 @@ def main() -> int:
     p.add_argument("--json", default="")
     p.add_argument("--all-splits", action="store_true")
     p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--prefetch", default="0")
     args = p.parse_args()
+    pfs = tuple(int(v) for v in args.prefetch.split(","))
     bits_list = [fmt.TERNARY if b in ("1.58", "ternary") else int(b) for b in args.bits.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [s for s in B.SHAPES if not args.shapes or s[0].split(" ")[0] in args.shapes.split(",")]
     if args.workers > 1:
-        precompile([j for b in bits_list for j in jobs_for(b, shapes, ms, args.all_splits)], args.workers)
+        precompile([j for b in bits_list for j in jobs_for(b, shapes, ms, args.all_splits, pfs)], args.workers)
     rows = []
     for bits in bits_list:
         for label, k, n in shapes:
@@ -155,7 +163,8 @@ def main() -> int:
                 t_rot, _ = B.time_calls([lambda: L.rotate(x, case.s1, case.s2, case.g, torch.bfloat16,
                                                           lane_unit=unit)], graph=True)
                 best = None
-                for cfg in [j[4] for j in jobs_for(bits, [(label, k, n)], [m], args.all_splits)]:
+                for cfg, pf in [j[4:] for j in jobs_for(bits, [(label, k, n)], [m], args.all_splits, pfs)]:
+                    T.GEMM_PREFETCH = bool(pf)
                     if True:
                         xr = xr_lane if cfg[5] else xr_nat
                         try:
@@ -169,10 +178,10 @@ def main() -> int:
                         except Exception as exc:  # noqa: BLE001
                             print(f"  {label} M={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                             continue
-                        row = dict(bits=str(bits), shape=label, m=m, cfg=cfg, us=t, err=err, bf16=t_bf16, op=t_op,
-                                   rot=t_rot)
+                        row = dict(bits=str(bits), shape=label, m=m, cfg=cfg, prefetch=pf, us=t, err=err, bf16=t_bf16,
+                                   op=t_op, rot=t_rot)
                         rows.append(row)
-                        print(f"  {label} b{bits} M={m} {cfg}: {t:.1f} us ({t_bf16 / t:.2f}x bf16; "
+                        print(f"  {label} b{bits} M={m} {cfg}{' prefetch' if pf else ''}: {t:.1f} us ({t_bf16 / t:.2f}x bf16; "
                               f"+rot {t_bf16 / (t + t_rot):.2f}x) err {err:.1e}", flush=True)
                         if best is None or t < best["us"]:
                             best = row
@@ -180,7 +189,7 @@ def main() -> int:
                     print(f"BEST {label} b{bits} M={m}: bf16 {t_bf16:.1f} op-now {t_op:.1f} ({t_bf16 / t_op:.2f}x) "
                           f"op-gemm-table {t_op_gemm:.1f} ({t_bf16 / t_op_gemm:.2f}x) "
                           f"rot {t_rot:.1f} gemm {best['us']:.1f} ({t_bf16 / best['us']:.2f}x; with rot "
-                          f"{t_bf16 / (best['us'] + t_rot):.2f}x) {best['cfg']}", flush=True)
+                          f"{t_bf16 / (best['us'] + t_rot):.2f}x) {best['cfg']} prefetch {best['prefetch']}", flush=True)
                 del q, bw
                 torch.cuda.empty_cache()
                 if args.json:  # after every (shape, M): a run cut short keeps what it measured
@@ -196,7 +205,7 @@ def main() -> int:
     for (bits, shape, m), r in seen.items():
         tot = r["us"] + r["rot"]
         print(f"{bits} {shape} {m} | {r['bf16']:.1f} | {r['op']:.1f} ({r['bf16'] / r['op']:.2f}) | {tot:.1f} "
-              f"({r['bf16'] / tot:.2f}) | {r['cfg']}")
+              f"({r['bf16'] / tot:.2f}) | {r['cfg']} prefetch {r['prefetch']}")
     return 0
 
 

@@ -145,10 +145,12 @@ def _tile_acc(x_ptr, xsrc, stride_xm, pk_ptr, nrm_ptr, wbase, n0, N, b0, t0, t1,
               NG: tl.constexpr, KSTEPS: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
               F16: tl.constexpr, USE_ASM: tl.constexpr, LANES: tl.constexpr, WARPS: tl.constexpr,
-              LANES_FIRST: tl.constexpr):
+              LANES_FIRST: tl.constexpr, PREFETCH: tl.constexpr = 0):
     """The float32 product of activation rows `xsrc` (`[BM]` row numbers of x) with weight rows `wbase + n0 ...
     wbase + n0 + BN - 1` (clamped to `wbase + N - 1`) over blocks b0 ... b0 + KSTEPS - 1 of BK inputs: `[BN, BM]`
-    with SWAP, else `[BM, BN]` (see `_gemm_kernel` for SWAP and LANES)."""
+    with SWAP, else `[BM, BN]` (see `_gemm_kernel` for SWAP and LANES). PREFETCH: the packed words and norms of
+    block b + 1 are loaded into registers before block b is decoded (the software pipeline stages only the
+    activations, which go through shared memory)."""
     PER: tl.constexpr = 32 if NLEV == 8 else (8 if NLEV == 16 else 16)
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     UPB: tl.constexpr = BK // PER
@@ -180,18 +182,33 @@ def _tile_acc(x_ptr, xsrc, stride_xm, pk_ptr, nrm_ptr, wbase, n0, N, b0, t0, t1,
         acc = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if LANES:
+        wrow = rn6
+        wun = ub6
+        nptr = nrm_ptr + (rn6 + 0 * lt) * NG  # (every lane t of a row loads the norm: it arrives in the words' layout)
+    else:
+        wrow = rn[:, None]
+        wun = ub
+        nptr = nrow
+    if PREFETCH:
+        c0, c1, c2 = _mma_words(pk_ptr, wrow, b0 * UPB + wun, NUT, WPU, RUNTIME_LAYOUT, False)
+        cn = tl.load(nptr + b0 // BPG)
     for i in range(KSTEPS):
         b = b0 + i
+        if PREFETCH:
+            w0, w1, w2, nr = c0, c1, c2, cn
+            nb = b0 + tl.minimum(i + 1, KSTEPS - 1)
+            c0, c1, c2 = _mma_words(pk_ptr, wrow, nb * UPB + wun, NUT, WPU, RUNTIME_LAYOUT, False)
+            cn = tl.load(nptr + nb // BPG)
+        else:
+            w0, w1, w2 = _mma_words(pk_ptr, wrow, b * UPB + wun, NUT, WPU, RUNTIME_LAYOUT, False)
+            nr = tl.load(nptr + b // BPG)
+        nsc = _norm_pattern(nr.to(tl.float32), F16, USE_ASM)
         if LANES:
-            w0, w1, w2 = _mma_words(pk_ptr, rn6, b * UPB + ub6, NUT, WPU, RUNTIME_LAYOUT, False)
-            # (loaded by every lane t of a row, so that the norms arrive in the words' layout: no conversion)
-            nsc = _norm_pattern(tl.load(nrm_ptr + (rn6 + 0 * lt) * NG + b // BPG).to(tl.float32), F16, USE_ASM)
             nsc = tl.broadcast_to(nsc, w0.shape)
             w = _lane_values(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, USE_ASM,
                              LANES_FIRST)
         else:
-            w0, w1, w2 = _mma_words(pk_ptr, rn[:, None], b * UPB + ub, NUT, WPU, RUNTIME_LAYOUT, False)
-            nsc = _norm_pattern(tl.load(nrow + b // BPG).to(tl.float32), F16, USE_ASM)
             nsc = tl.broadcast_to(nsc[:, None], [BN, UPB])
             w = _unit_values(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV, RUNTIME_LAYOUT, F16, USE_ASM)
         xt = tl.load(xrow + b * BK)
@@ -207,7 +224,7 @@ def _gemm_kernel(x_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
                  NG: tl.constexpr, KSTEPS: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr, GROUP: tl.constexpr,
                  RUNTIME_LAYOUT: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr, LANES: tl.constexpr = 0,
-                 WARPS: tl.constexpr = 4, LANES_FIRST: tl.constexpr = 1):
+                 WARPS: tl.constexpr = 4, LANES_FIRST: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
     """`out[M, N] = x[M, NG*G] @ W^T`, W the packed weight (see the module docstring). Grid: (tiles, SPLIT), the
     tiles in groups of GROUP activation-row tiles per weight-row tile (neighbouring programs share weight tiles
     in L2); program k of a tile takes blocks k KSTEPS .. (k + 1) KSTEPS - 1 (SPLIT KSTEPS = the row's blocks). Rows
@@ -234,7 +251,7 @@ def _gemm_kernel(x_ptr, pk_ptr, nrm_ptr, cb_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
     rm = tl.minimum(pid_m * BM + tl.arange(0, BM), M - 1).to(tl.int64)
     acc = _tile_acc(x_ptr, rm, stride_xm, pk_ptr, nrm_ptr, 0, pid_n * BN, N, pid_k * KSTEPS,
                     t0, t1, t2, t3, t4, t5, t6, t7, NG, KSTEPS, NLEV, G, BK, BM, BN, SWAP, RUNTIME_LAYOUT, F16,
-                    USE_ASM, LANES, WARPS, LANES_FIRST)
+                    USE_ASM, LANES, WARPS, LANES_FIRST, PREFETCH)
     if SWAP:
         acc = tl.trans(acc)
     om = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -283,7 +300,8 @@ def _routed_gemm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_
                         E: tl.constexpr, EP: tl.constexpr, NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr,
                         BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
                         RUNTIME_LAYOUT: tl.constexpr, F16: tl.constexpr, USE_ASM: tl.constexpr, GATHER: tl.constexpr,
-                        LANES: tl.constexpr = 0, WARPS: tl.constexpr = 4, LANES_FIRST: tl.constexpr = 1):
+                        LANES: tl.constexpr = 0, WARPS: tl.constexpr = 4, LANES_FIRST: tl.constexpr = 1,
+                        PREFETCH: tl.constexpr = 0):
     """Rows grouped by expert (group e ends at `offs[e]`) times their experts' packed matrices (E stacked `[N,
     NG*G]` weights): `out[r] = x[src(r)] @ W_e(r)^T`, the tiles as `_gemm_kernel`'s (`_tile_acc`).
 
@@ -301,7 +319,7 @@ def _routed_gemm_kernel(x_ptr, xrow_ptr, offs_ptr, pk_ptr, nrm_ptr, cb_ptr, out_
     t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV, 2 if F16 else 1)
     acc = _tile_acc(x_ptr, src, stride_xm, pk_ptr, nrm_ptr, ex.to(tl.int64) * N, n0, N, 0,
                     t0, t1, t2, t3, t4, t5, t6, t7, NG, NG * G // BK, NLEV, G, BK, BM, BN, SWAP, RUNTIME_LAYOUT,
-                    F16, USE_ASM, LANES, WARPS, LANES_FIRST)
+                    F16, USE_ASM, LANES, WARPS, LANES_FIRST, PREFETCH)
     if SWAP:
         acc = tl.trans(acc)
     on = n0 + tl.arange(0, BN)
@@ -343,19 +361,19 @@ def serves(n_levels: int, group_size: int) -> bool:
 def gemm_config(m: int, n: int, ng: int, n_levels: int, group_size: int, lanes: bool = True) -> tuple:
     """(BM, BN, BK, SPLIT, SWAP, LANES, GROUP, num_warps, num_stages) for M activation rows and an `(n, ng
     groups)` weight: the bucket of M from `tuning.GEMM_CONFIGS`, BK the group size up to 128, SPLIT raised until the
-    tiles fill the GPU's multiprocessors twice (at most `tuning.GEMM_MAX_SPLIT`, each split at least 4
+    tiles fill the GPU's multiprocessors twice (at most the bucket's and `tuning.GEMM_MAX_SPLIT`, each split at least 4
     blocks). LANES where the table says so and the geometry allows it (`lanes` False: never, for activations in
     the natural order)."""
     bk = min(group_size, 128)
     for top, cfg in tuning.GEMM_CONFIGS:
         if m <= top:
             break
-    bm, bn, swap, use_lanes, group, warps, stages = cfg
+    bm, bn, swap, use_lanes, group, warps, stages, max_split = cfg
     lanes = bool(lanes and use_lanes and swap and bn % (16 * warps) == 0 and bk % (4 * lane_unit(n_levels)) == 0)
     tiles = cdiv(m, bm) * cdiv(n, bn)
     nblk = ng * group_size // bk
     split = 1
-    while (split * 2 <= tuning.GEMM_MAX_SPLIT and tiles * split < 2 * tuning.GEMM_SMS
+    while (split * 2 <= min(max_split, tuning.GEMM_MAX_SPLIT) and tiles * split < 2 * tuning.GEMM_SMS
            and nblk % (split * 2) == 0 and nblk // (split * 2) >= 4):
         split *= 2
     return bm, bn, bk, split, swap, lanes, group, warps, stages
@@ -402,8 +420,8 @@ def gemm(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeboo
            out.stride(0), split, NG=ng, KSTEPS=ng * group_size // bk // split, NLEV=n_levels, G=group_size,
            BK=bk, BM=bm, BN=bn, SWAP=bool(swap),
            GROUP=group, RUNTIME_LAYOUT=runtime_layout, F16=f16, USE_ASM=use_asm, LANES=bool(lanes), WARPS=warps,
-           LANES_FIRST=triton_version() < (3, 7) if lanes_first is None else bool(lanes_first), num_warps=warps,
-           num_stages=stages)
+           LANES_FIRST=triton_version() < (3, 7) if lanes_first is None else bool(lanes_first),
+           PREFETCH=tuning.GEMM_PREFETCH, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -467,6 +485,6 @@ def routed_gemm(x_rot: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, n
            codebook, out, n, x_rot.stride(0), out.stride(0), E=num_experts, EP=ep, NG=ng, NLEV=n_levels,
            G=group_size, BK=bk, BM=bm, BN=bn, SWAP=bool(swap), RUNTIME_LAYOUT=runtime_layout, F16=f16,
            USE_ASM=use_asm, GATHER=xrow is not None, LANES=bool(lanes), WARPS=warps,
-           LANES_FIRST=triton_version() < (3, 7) if lanes_first is None else bool(lanes_first), num_warps=warps,
-           num_stages=stages)
+           LANES_FIRST=triton_version() < (3, 7) if lanes_first is None else bool(lanes_first),
+           PREFETCH=tuning.GEMM_PREFETCH, num_warps=warps, num_stages=stages)
     return out

@@ -61,7 +61,7 @@ def rotate(x2: torch.Tensor, signs1: torch.Tensor, signs2: torch.Tensor, group_s
     x_order=True)` reads them), for its blocks of `mma_block` inputs (0: the default block; or the wide block,
     `wide_block`, for a row of whole pairs of groups). With `lane_unit` (indices a unit: 32 at 3 bits, 16 at 2,
     8 at 4): the columns in the packed-weight GEMM's lane order for blocks of `lane_block` inputs
-    (`rotation._lane_column`; `gemm.gemm(..., lanes=True)` reads them).
+    (`rotation._lane_permute`; `gemm.gemm(..., lanes=True)` reads them).
 
     Up to ROWS_MAX_M rows the Walsh-Hadamard product runs as float32 butterflies in registers
     (`_rotate_rows_kernel`), above as a product with the +-1 matrix on the tensor cores (`_rotate_kernel`); the
@@ -109,7 +109,7 @@ def _rotate_plan(m: int, k: int, g: int, x_dtype: torch.dtype, out_dtype: torch.
         return ng * g, ng, dtype, pairs, True, (m, cdiv(ng, bg)), bound, None
     bm = tuning.ROTATE_BM or (64 if m > 16 and x_dtype != torch.float32 else 16)
     exact16 = x_dtype in (torch.bfloat16, torch.float16) and not _interpreting()
-    bc = min(g, 64 if exact16 else 32)
+    bc = lkb if lkb else min(g, 64 if exact16 else 32)  # (the lane order: whole blocks, permuted in registers)
     hmat = _hadamard_pm1(g, x_dtype if exact16 else torch.float32, device)
     bound = bind(_rotate_kernel, G=g, BM=bm, BC=bc, EXACT16=exact16, **common, num_warps=4)
     return ng * g, ng, dtype, pairs, False, (cdiv(m, bm), ng, g // bc), bound, hmat

@@ -82,10 +82,9 @@ def _rotate_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, h_ptr, xs_ptr, M, K, stride_x
         dst = _mma_column(pid_g * G + pid_c * BC + 8 * tl.arange(0, BC // 8), MMA_KB, MMA_PER)
         optr = out_ptr + rm[:, None, None] * stride_om + dst[None, :, None] + tl.arange(0, 8)[None, None, :]
         tl.store(optr, tl.reshape(y, [BM, BC // 8, 8]).to(out_ptr.dtype.element_ty), mask=mmask[:, None, None])
-    elif LANE_KB > 0:  # pairs of columns move together
-        dst = _lane_column(pid_g * G + pid_c * BC + 2 * tl.arange(0, BC // 2), LANE_KB, LANE_PER)
-        optr = out_ptr + rm[:, None, None] * stride_om + dst[None, :, None] + tl.arange(0, 2)[None, None, :]
-        tl.store(optr, tl.reshape(y, [BM, BC // 2, 2]).to(out_ptr.dtype.element_ty), mask=mmask[:, None, None])
+    elif LANE_KB > 0:  # (BC whole blocks) permuted in registers, stored in order
+        optr = out_ptr + rm[:, None] * stride_om + (pid_g * G + cc)[None, :]
+        tl.store(optr, _lane_permute(y, LANE_KB, LANE_PER).to(out_ptr.dtype.element_ty), mask=mmask[:, None])
     else:
         optr = out_ptr + rm[:, None] * stride_om + col[None, :]
         tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
@@ -133,11 +132,9 @@ def _rotate_rows_kernel(x_ptr, s1_ptr, s2_ptr, out_ptr, xs_ptr, K, NG, stride_xm
         run = gg[:, None] * G + 8 * tl.arange(0, G // 8)[None, :]
         optr = out_ptr + m * stride_om + _mma_column(run, MMA_KB, MMA_PER)[:, :, None] + tl.arange(0, 8)[None, None, :]
         tl.store(optr, tl.reshape(y, [BG, G // 8, 8]).to(out_ptr.dtype.element_ty), mask=live[:, None, None])
-    elif LANE_KB > 0:  # pairs of columns move together
-        run = gg[:, None] * G + 2 * tl.arange(0, G // 2)[None, :]
-        dst = _lane_column(run, LANE_KB, LANE_PER)
-        optr = out_ptr + m * stride_om + dst[:, :, None] + tl.arange(0, 2)[None, None, :]
-        tl.store(optr, tl.reshape(y, [BG, G // 2, 2]).to(out_ptr.dtype.element_ty), mask=live[:, None, None])
+    elif LANE_KB > 0:  # (G whole blocks) permuted in registers, stored in order
+        tl.store(out_ptr + m * stride_om + col, _lane_permute(y, LANE_KB, LANE_PER).to(out_ptr.dtype.element_ty),
+                 mask=live[:, None])
     else:
         tl.store(out_ptr + m * stride_om + col, y.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -161,16 +158,14 @@ def _mma_column(col, KB: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
-def _lane_column(col, KB: tl.constexpr, PER: tl.constexpr):
-    """Where the pair of columns starting at `col` (even) of a rotated row goes in the packed-weight GEMM's lane
-    order (`rotate(..., lane_unit=...)`, read by `gemm.gemm(..., lanes=True)`): within each block of KB columns,
-    element j of unit ub (PER elements a unit, R = KB // (4 PER) units a lane, the lane t = ub // R with lanes 1
-    and 2 swapped, r = ub % R) moves to 8 (r PER / 2 + j // 2) + 2 t + j % 2: the input order of wgmma's register
-    operand when each lane decodes whole units."""
+def _lane_permute(y, KB: tl.constexpr, PER: tl.constexpr):
+    """Rows of whole blocks of KB columns `[B, C]` -> the same rows with each block in the packed-weight GEMM's
+    lane order (`rotate(..., lane_unit=...)`, read by `gemm.gemm(..., lanes=True)`): element j = 2 jj + e of unit
+    ub (PER elements a unit, R = KB // (4 PER) units a lane, the lane q = ub // R = 2 q1 + q0, r = ub % R) moves
+    to 8 (r PER / 2 + jj) + 2 t + e with t = 2 q0 + q1 (lanes 1 and 2 swapped): the input order of wgmma's
+    register operand when each lane decodes whole units. A permutation of the axes (q1, q0, r, jj, e)."""
+    B: tl.constexpr = y.shape[0]
+    C: tl.constexpr = y.shape[1]
     R: tl.constexpr = KB // (4 * PER)
-    kin = col % KB
-    ub = kin // PER
-    q = ub // R
-    t = (q & 1) * 2 + (q >> 1)
-    j = kin % PER
-    return (col // KB) * KB + 8 * ((ub % R) * (PER // 2) + j // 2) + 2 * t + j % 2
+    v = tl.reshape(y, [B, C // KB, 2, 2, R, PER // 2, 2])
+    return tl.reshape(tl.permute(v, (0, 1, 4, 5, 3, 2, 6)), [B, C])

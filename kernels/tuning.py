@@ -100,15 +100,18 @@ FUSED_MAX_PAIRS = 1 << 62
 # (16-bit activations). Off unless `TURBOQUANT_GEMM_MIN_M` says otherwise: the other routes are as fast or faster
 # at every M on an H100 (benchmarks/GEMM.md). The table: the best configuration a bucket on that machine.
 GEMM_MIN_M = settings.gemm_min_m()
-# (largest M, (BM, BN, SWAP, LANES, GROUP, num_warps, num_stages)) by bucket of M, the last bucket for any larger M.
+# (largest M, (BM, BN, SWAP, LANES, GROUP, num_warps, num_stages, largest split-K)) by bucket of M, the last bucket
+# for any larger M.
 GEMM_CONFIGS = (
-    (16, (16, 64, True, False, 1, 4, 3)),
-    (64, (64, 128, True, False, 1, 4, 3)),
-    (256, (128, 64, True, True, 4, 4, 3)),
-    (1 << 62, (256, 128, True, True, 8, 8, 2)),
+    (16, (16, 64, True, False, 1, 4, 3, 8)),
+    (64, (64, 64, True, True, 1, 4, 3, 8)),
+    (256, (128, 64, True, True, 4, 4, 3, 1)),
+    (1 << 62, (256, 128, True, True, 8, 8, 2, 1)),
 )
 # Largest split-K, the multiprocessors whose count the split aims to fill twice, and the per-tile counters kept
 # (tiles past it run without split-K).
 GEMM_MAX_SPLIT = 8
+# The packed words and norms of the next block of inputs loaded before the current block is decoded.
+GEMM_PREFETCH = False
 GEMM_SMS = 132
 GEMM_COUNTERS = 1 << 16

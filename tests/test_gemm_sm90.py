@@ -22,18 +22,17 @@ _TYPES = dict(x_ptr="*bf16", pk_ptr="*i32", nrm_ptr="*fp32", cb_ptr="*fp32", out
               cnt_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32", SPLIT="i32")
 
 
-def _sass(n_levels: int, bm: int, bn: int, lanes: bool, warps: int, split: int = 1, ng: int = 32) -> str:
+def _compiled(n_levels: int, bm: int, bn: int, lanes: bool, warps: int, split: int = 1, ng: int = 32,
+              prefetch: bool = False, stages: int = 3):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.tools.disasm import get_sass
-
     from turboquant_hf.kernels import gemm, linear
 
     fn = gemm._gemm_kernel
     values = dict(NG=ng, KSTEPS=ng // split, NLEV=n_levels, G=128, BK=128, BM=bm, BN=bn, SWAP=True, GROUP=1,
                   RUNTIME_LAYOUT=True, F16=False, USE_ASM=True, LANES=lanes, WARPS=warps,
-                  LANES_FIRST=linear._lanes_first())
+                  LANES_FIRST=linear._lanes_first(), PREFETCH=prefetch)
     signature, constants, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
@@ -44,13 +43,20 @@ def _sass(n_levels: int, bm: int, bn: int, lanes: bool, warps: int, split: int =
             if _TYPES[p.name].startswith("*") or p.name in ("N", "stride_xm", "stride_om"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=warps, num_stages=3))
-    return get_sass(kernel.asm["cubin"])
+                            options=dict(num_warps=warps, num_stages=stages))
+    return kernel
 
 
-@pytest.mark.parametrize("n_levels,bm,bn,warps", [(8, 64, 128, 4), (4, 16, 64, 4), (16, 128, 128, 8)])
-def test_lane_order_feeds_wgmma_from_registers(n_levels, bm, bn, warps):
-    sass = _sass(n_levels, bm, bn, True, warps)
+def _sass(*args, **kwargs) -> str:
+    from triton.tools.disasm import get_sass
+
+    return get_sass(_compiled(*args, **kwargs).asm["cubin"])
+
+
+@pytest.mark.parametrize("n_levels,bm,bn,warps,prefetch", [(8, 64, 128, 4, False), (4, 16, 64, 4, False),
+                                                           (16, 128, 128, 8, False), (8, 128, 128, 8, True)])
+def test_lane_order_feeds_wgmma_from_registers(n_levels, bm, bn, warps, prefetch):
+    sass = _sass(n_levels, bm, bn, True, warps, prefetch=prefetch)
     assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", "")
     assert "LDSM" not in sass, "the decoded weight passes through shared memory"
     assert "LDGSTS" in sass

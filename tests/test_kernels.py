@@ -1213,11 +1213,12 @@ def test_rotate_lane_order(L, unit, block, g):
 
 @pytest.mark.parametrize("bits,g", [(3, 128), (3, 64), (3, 256), (2, 128), (2, 64), (4, 128), (4, 64),
                                     (fmt.TERNARY, 128)])
-def test_gemm_matches_reference(L, bits, g):
+def test_gemm_matches_reference(L, bits, g, monkeypatch):
     """The packed-weight GEMM (`gemm.gemm`) against the float32 reference on the rotated activations: the runtime
     layout (ternary: 2-bit codes) and, for 2 and 3 bits, the published bytes; the weight on the left (with and
     without the lane order) and on the right; split-K over 2 and 4 ranges (every per-tile counter back at zero
-    afterwards); weight rows not a multiple of BN, activation rows not a multiple of BM, groups of 64 to 256."""
+    afterwards); weight rows not a multiple of BN, activation rows not a multiple of BM, groups of 64 to 256; with
+    the next block's packed words loaded ahead (`tuning.GEMM_PREFETCH`), the same values."""
     gm = L.gemm
     n, k = 40, max(2 * g, 256)
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=int(10 * float(bits)) + g)
@@ -1247,6 +1248,11 @@ def test_gemm_matches_reference(L, bits, g):
                 y = gm.gemm(xr, pk, norms, kcb, g, torch.float32, config=tuple(cfg), runtime_layout=runtime,
                             use_asm=False, lanes_first=lf)
                 assert y.shape == (m, n) and _rel(y, ref) < 6e-3, (runtime, cfg, lf, _rel(y, ref))
+            if runtime and m == configs[-1][-1]:  # the next block's words and norms loaded ahead: the same products
+                monkeypatch.setattr(gm.tuning, "GEMM_PREFETCH", True)
+                assert torch.equal(gm.gemm(xr, pk, norms, kcb, g, torch.float32, config=tuple(cfg),
+                                           use_asm=False, lanes_first=lf), y)
+                monkeypatch.setattr(gm.tuning, "GEMM_PREFETCH", False)
             if cfg[3] > 1:
                 assert not gm._counters(y.device).any()
     with pytest.raises(ValueError, match="split"):
@@ -1298,10 +1304,11 @@ def test_routed_gemm_matches_reference(L, bits, g):
 def test_gemm_dispatch_table(L, monkeypatch):
     """`gemm_config` (the GEMM's one dispatch table, from the weight shape and M's bucket): LANES only where the
     table, the orientation, the warps and the unit allow it; split-K until the tiles fill the multiprocessors
-    twice, by powers of two that divide the row's blocks, at least 4 blocks each."""
+    twice, by powers of two that divide the row's blocks, at least 4 blocks each, at most the bucket's."""
     gm = L.gemm
-    monkeypatch.setattr(L.tuning, "GEMM_CONFIGS", ((64, (64, 64, True, True, 1, 4, 3)),
-                                                   (1 << 62, (128, 128, False, True, 8, 8, 3))))
+    monkeypatch.setattr(L.tuning, "GEMM_CONFIGS", ((64, (64, 64, True, True, 1, 4, 3, 8)),
+                                                   (256, (128, 64, True, True, 4, 4, 3, 2)),
+                                                   (1 << 62, (128, 128, False, True, 8, 8, 3, 8))))
     monkeypatch.setattr(L.tuning, "GEMM_SMS", 132)
     bm, bn, bk, split, swap, lanes, group, warps, stages = gm.gemm_config(64, 4096, 32, 8, 128)
     assert (bm, bn, bk, swap, lanes, warps) == (64, 64, 128, True, True, 4) and split == 8  # 64 tiles: 512 programs
@@ -1309,10 +1316,11 @@ def test_gemm_dispatch_table(L, monkeypatch):
     assert gm.gemm_config(64, 4096, 1, 8, 64)[5] is False  # 3-bit units: four lanes need blocks of 128
     assert gm.gemm_config(64, 4096, 2, 4, 64)[5] is True and gm.gemm_config(64, 4096, 2, 4, 64)[3] == 1
     assert gm.gemm_config(2048, 4096, 32, 8, 128)[3:6] == (1, False, False)  # 512 tiles; the weight on the right
-    assert gm.gemm_config(65, 1024, 112, 8, 128)[3] == 8  # 8 tiles: at most 8 splits (14 blocks each)
-    assert gm.gemm_config(65, 1024, 20, 8, 128)[3] == 4  # 20 blocks: 8 does not divide them
+    assert gm.gemm_config(257, 1024, 112, 8, 128)[3] == 8  # 24 tiles: at most 8 splits (14 blocks each)
+    assert gm.gemm_config(65, 1024, 20, 8, 128)[3] == 2  # the bucket's largest split
+    assert gm.gemm_config(257, 1024, 20, 8, 128)[3] == 4  # 20 blocks: 8 does not divide them
     monkeypatch.setattr(L.tuning, "GEMM_MAX_SPLIT", 1)
-    assert gm.gemm_config(65, 1024, 112, 8, 128)[3] == 1
+    assert gm.gemm_config(257, 1024, 112, 8, 128)[3] == 1
 
 
 # ---------------------------------------------------------------------------
