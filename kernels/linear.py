@@ -422,7 +422,7 @@ def dequantize_lut(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Te
            out.stride(0), 1.0 / math.sqrt(group_size), NG=ng, NLEV=n_levels, G=group_size,
            UPG=group_size // per, BR=block_rows, RUNTIME_LAYOUT=_runtime_layout(packed, n_levels),
            USE_ASM=not interp, UNROT=unrot, SEL_ROWS=select_rows if select is not None else 0,
-           num_warps=warps)
+           PREFETCH=tuning.DEQUANT_PREFETCH and select is None, num_warps=warps)
     return out
 
 

@@ -113,5 +113,7 @@ GEMM_CONFIGS = (
 GEMM_MAX_SPLIT = 8
 # The packed words and norms of the next block of inputs loaded before the current block is decoded.
 GEMM_PREFETCH = False
+# The same in the prefill's weight decoding (`dequantize_lut` without a selection of experts).
+DEQUANT_PREFETCH = False
 GEMM_SMS = 132
 GEMM_COUNTERS = 1 << 16

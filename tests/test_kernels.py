@@ -1119,10 +1119,10 @@ def test_registration():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("g", [64, 128])
-def test_lookup_dequantization(L, bits, g):
+def test_lookup_dequantization(L, bits, g, monkeypatch):
     """`dequantize_lut`, the prefill path's scratch weight: the rotated-basis weight and the weight itself (the
-    rotation undone by the +-1 matrix product), from both layouts, with several row blocks per program, rows
-    and `in_features` not multiples of the block or of G. Its codebook values are 16-bit patterns, so it is
+    rotation undone by the +-1 matrix product), from both layouts, with several row blocks per program (also each
+    program's next block loaded ahead), rows and `in_features` not multiples of the block or of G. Its codebook values are 16-bit patterns, so it is
     within 4e-3 of the float32 codec, and above 1e-5 (the rounded values are really in use)."""
     n, k = 21, 330
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=60 + bits + g)
@@ -1144,6 +1144,13 @@ def test_lookup_dequantization(L, bits, g):
             # follows the operand shapes on some CPUs, so other block sizes agree to float32 rounding there)
             same_w = torch.equal if not _INTERPRETED else (lambda a, b: _rel(a, b) < 1e-6)
             assert torch.equal(rot, first[0]) and same_w(w, first[1]), (pk.dtype, block_rows)
+            if programs:  # each program's next block loaded ahead: the same values
+                monkeypatch.setattr(L.tuning, "DEQUANT_PREFETCH", True)
+                assert torch.equal(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, block_rows=block_rows,
+                                                    programs=programs), rot)
+                assert same_w(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, s1, s2, k,
+                                               block_rows=block_rows, programs=programs), w)
+                monkeypatch.setattr(L.tuning, "DEQUANT_PREFETCH", False)
         # selected matrices of a stack (experts): the 21 rows as three matrices of 7, the third and the first
         sel = torch.tensor([2, 0], dtype=torch.int32)
         rows = torch.cat([torch.arange(14, 21), torch.arange(0, 7)])
