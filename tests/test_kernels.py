@@ -1051,10 +1051,12 @@ def test_hadamard_moe_experts_kernel_path(L, M, tiers, monkeypatch):
     idx = torch.tensor([[1, 4, 0], [3, 5, 2]])  # 5 = E: no expert
     wts = torch.rand(2, 3, generator=gen)
     args = (hidden, idx, wts, *parts, e, "silu")
-    ref = ops.turboquant_hadamard_moe_experts(hidden.float(), *args[1:])
     monkeypatch.setattr(T, "PAIR_MAX_ROWS", 8)
-    y = M.hadamard_moe_experts(*args)
-    assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
+    if tiers[0] == fmt.TERNARY:  # (the decode path on the ternary tiers, cheaper to interpret; the 3-bit pair
+        # GEMV has its own tests)
+        ref = ops.turboquant_hadamard_moe_experts(hidden.float(), *args[1:])
+        y = M.hadamard_moe_experts(*args)
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1.5e-2, _rel(y, ref)
     # four tokens: the prefill path (ternary in its runtime layout, read with the padded codebook, as
     # TurboQuantExperts holds it on a GPU): the fused routed products; for the ternary tiers (cheaper to interpret)
     # also the routed experts decoded all at once (the routing on the device) and two at a time (the counts on the
