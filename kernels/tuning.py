@@ -112,7 +112,7 @@ GEMM_CONFIGS = (
 # (tiles past it run without split-K).
 GEMM_MAX_SPLIT = 8
 # The packed words and norms of the next block of inputs loaded before the current block is decoded.
-GEMM_PREFETCH = False
+GEMM_PREFETCH = True
 # The same in the prefill's weight decoding (`dequantize_lut` without a selection of experts).
 DEQUANT_PREFETCH = False
 GEMM_SMS = 132

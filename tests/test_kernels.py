@@ -17,6 +17,7 @@ graph capture, and `TurboQuantLinear`. It is skipped where CUDA is absent.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import os
 import subprocess
@@ -1455,18 +1456,21 @@ def _cuda_check(bits) -> int:
         configs = [None, (16, 64, 128, 1, True, True, 1, 4, 3), (64, 128, 128, 4, True, True, 1, 4, 3),
                    (64, 128, 128, 2, True, False, 1, 4, 3), (128, 128, 128, 1, True, True, 4, 8, 3),
                    (128, 128, 128, 1, False, False, 4, 8, 3), (256, 128, 128, 1, True, True, 8, 8, 2)]
+        old_pf = KT.GEMM_PREFETCH
         for m in (17, 64, 300):
             x = torch.randn(m, k)
             refd = ops.turboquant_linear(x, packed, norms, cb, s1, s2, g, k)
-            for dt in (torch.bfloat16, torch.float16):
-                for cfg in configs:
-                    cfg = cfg or KG.gemm_config(m, n, k // g, knl, g)
-                    xr = KL.rotate(x.to(dev, dt), s1_d, s2_d, g, dt, lane_unit=KG.lane_unit(knl) if cfg[5] else 0)
-                    y = KG.gemm(xr, pk, nr_d, cb_d, g, dt, config=cfg)
-                    err = _rel(y, refd) if torch.isfinite(y).all() else float("nan")
-                    ok = y.shape == (m, n) and err < tol[dt] and not KG._counters(y.device).any()
-                    failures += not ok
-                    print(f"{'ok  ' if ok else 'FAIL'} gemm bits={bits} M={m} {str(dt)[6:]} {cfg} rel_err={err:.2e}")
+            for dt, cfg, pf in itertools.product((torch.bfloat16, torch.float16), configs, (True, False)):
+                KT.GEMM_PREFETCH = pf
+                cfg = cfg or KG.gemm_config(m, n, k // g, knl, g)
+                xr = KL.rotate(x.to(dev, dt), s1_d, s2_d, g, dt, lane_unit=KG.lane_unit(knl) if cfg[5] else 0)
+                y = KG.gemm(xr, pk, nr_d, cb_d, g, dt, config=cfg)
+                err = _rel(y, refd) if torch.isfinite(y).all() else float("nan")
+                ok = y.shape == (m, n) and err < tol[dt] and not KG._counters(y.device).any()
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} gemm bits={bits} M={m} {str(dt)[6:]} {cfg} prefetch={pf} "
+                      f"rel_err={err:.2e}")
+            KT.GEMM_PREFETCH = old_pf
         old = KT.GEMM_MIN_M
         KT.GEMM_MIN_M = 17
         try:
