@@ -1,7 +1,7 @@
 """The prefill's weight decoding (`dequantize_lut` with the rotation undone: packed words in, the 16-bit weight
-out) by launch configuration: rows of (row, group) pairs a block, warps, programs per multiprocessor, and the next
-block loaded ahead (`tuning.DEQUANT_PREFETCH`); CUDA-graph replays over weight copies that overflow the L2, with
-the bandwidth it reaches (packed bytes and norms read, the 16-bit weight written).
+out) by launch configuration: rows of (row, group) pairs a block, warps, programs per multiprocessor; CUDA-graph
+replays over weight copies that overflow the L2, with the bandwidth it reaches (packed bytes and norms read, the
+16-bit weight written).
 
     python sweep_dequant.py [--bits 3] [--shapes 0,1,2]
 """
@@ -15,7 +15,6 @@ import torch
 
 import bench_linear as B
 from turboquant_hf.kernels import linear as L
-from turboquant_hf.kernels import tuning as T
 
 SHAPES = (("4096x4096", 4096, 4096), ("4096->28672 (gate/up)", 4096, 28672), ("14336->4096 (down)", 14336, 4096))
 
@@ -33,8 +32,7 @@ def main() -> int:
         nbytes = case.qbytes + 2 * n * k
         ref = L.dequantize_lut(q[0][0], q[0][1], case.cb_ours, case.g, torch.bfloat16, case.s1, case.s2, k)
         rows = []
-        for br, warps, per_sm, pf in itertools.product((16, 32, 64), (4, 8), (1, 2, 4), (False, True)):
-            T.DEQUANT_PREFETCH = pf
+        for br, warps, per_sm in itertools.product((16, 32, 64), (4, 8), (1, 2, 3, 4)):
             kw = dict(block_rows=br, warps=warps, programs=per_sm * sms)
             try:
                 w = L.dequantize_lut(q[0][0], q[0][1], case.cb_ours, case.g, torch.bfloat16, case.s1, case.s2, k, **kw)
@@ -44,17 +42,15 @@ def main() -> int:
                     pk, nr, case.cb_ours, case.g, torch.bfloat16, case.s1, case.s2, k, **kw) for pk, nr in q],
                     graph=True)
             except Exception as exc:  # noqa: BLE001
-                print(f"{label} BR={br} warps={warps} {per_sm}/SM prefetch={int(pf)}: FAILED {exc}"[:300], flush=True)
+                print(f"{label} BR={br} warps={warps} {per_sm}/SM: FAILED {exc}"[:300], flush=True)
                 continue
-            rows.append((t, br, warps, per_sm, pf))
-        T.DEQUANT_PREFETCH = False
+            rows.append((t, br, warps, per_sm))
         rows.sort()
-        default = next(r for r in rows if r[1:] == (64, 4, 2, False))
+        default = next(r for r in rows if r[1:] == (64, 4, 2))
         print(f"{args.bits}-bit {label}: default (BR 64, 4 warps, 2/SM) {default[0]:.1f} us "
-              f"({nbytes / default[0] / 1e6:.0f} GB/s)", flush=True)
-        for t, br, warps, per_sm, pf in rows[:8]:
-            print(f"  BR={br} warps={warps} {per_sm}/SM prefetch={int(pf)}: {t:.1f} us ({nbytes / t / 1e6:.0f} GB/s)",
-                  flush=True)
+              f"({nbytes / default[0] / 1e3:.0f} GB/s)", flush=True)
+        for t, br, warps, per_sm in rows[:8]:
+            print(f"  BR={br} warps={warps} {per_sm}/SM: {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s)", flush=True)
         del q
         torch.cuda.empty_cache()
     return 0

@@ -451,7 +451,7 @@ def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb
     the device (`_device_routing`), the gate/up product reading each pair's token row directly (`routed_lut_mm`),
     `act_mul`, the intermediate rows rotated, the down product, `combine`. No host synchronisation, no scratch
     buffer; only the routed experts' weights are read (a block of rows of one expert at a time)."""
-    if top_k_index.numel() >= T.GEMM_MIN_M and _routed_gemm_serves(gu_packed, gu_cb, g) and \
+    if top_k_index.numel() >= T.ROUTED_GEMM_MIN_PAIRS and _routed_gemm_serves(gu_packed, gu_cb, g) and \
             _routed_gemm_serves(d_packed, d_cb, g):
         return _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb,
                             s1, s2, g, e, activation, inter, epi)

@@ -78,7 +78,7 @@ def _lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV: tl.constexpr, RU
 def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, h_ptr, out_ptr, sel_ptr, N, K, stride_on, scale,
                         NG: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, UPG: tl.constexpr,
                         BR: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, UNROT: tl.constexpr,
-                        SEL_ROWS: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                        SEL_ROWS: tl.constexpr):
     """One program per BR consecutive (row, group) pairs of a 2-, 3- or 4-bit weight: their units are one
     contiguous run, decoded with the byte-permute lookups and scaled by the group norms.
 
@@ -89,10 +89,7 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, h_ptr, out_ptr,
     UNROT True: the weight itself, `D1 . H . D2 . (norm * codebook[idx]) / sqrt(G)` per group, the Walsh-Hadamard
     product on the tensor cores (the cached +-1 matrix `h_ptr`, in the operands' dtype, read once per program;
     the D2 signs applied to the values with the norms); out is `(N, K)`, so cuBLAS can multiply the activations
-    as they are, with no rotation pass.
-
-    PREFETCH (without SEL_ROWS): each program loads the units and norms of its next block before decoding the
-    current one."""
+    as they are, with no rotation pass."""
     WPU: tl.constexpr = 3 if NLEV == 8 else 1
     NUT: tl.constexpr = NG * UPG
     t0, t1, t2, t3, t4, t5, t6, t7 = _byte_tables(cb_ptr, NLEV)
@@ -103,26 +100,13 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, h_ptr, out_ptr,
         cs2 = tl.load(s2_ptr + kk)
         cscale = scale * tl.load(s1_ptr + kk)
     RG = N * NG
-    nblk = tl.cdiv(RG, BR)
-    if PREFETCH:
-        r = tl.minimum(tl.program_id(0) * BR + tl.arange(0, BR), RG - 1)
-        c0, c1, c2 = _load_units(pk_ptr, r[:, None] * UPG + ru[None, :], None, WPU, RUNTIME_LAYOUT,
-                                 (r // NG).to(tl.int64)[:, None], NUT)
-        cn = tl.load(nrm_ptr + r)
-    for blk in tl.range(tl.program_id(0), nblk, tl.num_programs(0)):
+    for blk in tl.range(tl.program_id(0), tl.cdiv(RG, BR), tl.num_programs(0)):
         r = blk * BR + tl.arange(0, BR)
         rmask = r < RG
         r = tl.minimum(r, RG - 1)  # clamped: loads stay in bounds, the extra rows are not stored
         n = (r // NG).to(tl.int64)
         g = r % NG
-        if PREFETCH:
-            w0, w1, w2, nr = c0, c1, c2, cn
-            rn = tl.minimum(tl.minimum(blk + tl.num_programs(0), nblk - 1) * BR + tl.arange(0, BR), RG - 1)
-            c0, c1, c2 = _load_units(pk_ptr, rn[:, None] * UPG + ru[None, :], None, WPU, RUNTIME_LAYOUT,
-                                     (rn // NG).to(tl.int64)[:, None], NUT)
-            cn = tl.load(nrm_ptr + rn)
-            rs = r
-        elif SEL_ROWS > 0:  # the source row: row n % SEL_ROWS of the selected matrix (none for a negative number)
+        if SEL_ROWS > 0:  # the source row: row n % SEL_ROWS of the selected matrix (none for a negative number)
             ex = tl.load(sel_ptr + n // SEL_ROWS).to(tl.int64)
             rmask = rmask & (ex >= 0)
             src = tl.maximum(ex, 0) * SEL_ROWS + n % SEL_ROWS
@@ -132,12 +116,9 @@ def _dequant_lut_kernel(pk_ptr, nrm_ptr, cb_ptr, s1_ptr, s2_ptr, h_ptr, out_ptr,
             src = n
             rs = r
             umask = None
-        if not PREFETCH:
-            w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], umask, WPU, RUNTIME_LAYOUT, src[:, None],
-                                     NUT)
-            nr = tl.load(nrm_ptr + rs)
+        w0, w1, w2 = _load_units(pk_ptr, rs[:, None] * UPG + ru[None, :], umask, WPU, RUNTIME_LAYOUT, src[:, None], NUT)
         v = tl.reshape(_lut_tile(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, NLEV, RUNTIME_LAYOUT, USE_ASM), [BR, G])
-        v = v * nr.to(tl.float32)[:, None]
+        v = v * tl.load(nrm_ptr + rs).to(tl.float32)[:, None]
         if UNROT:
             v = v * cs2[None, :]  # (exact: +-1)
             if USE_ASM:  # 16-bit operands (+-1 entries are exact), float32 accumulation

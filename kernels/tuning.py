@@ -96,10 +96,15 @@ PREFILL_ROTATED_BASIS = True
 FUSED_MAX_PAIRS = 1 << 62
 
 
-# Packed-weight GEMM (`gemm.gemm`, and `gemm.routed_gemm` for the MoE grouped products): the smallest M it serves
-# (16-bit activations). Off unless `TURBOQUANT_GEMM_MIN_M` says otherwise: the other routes are as fast or faster
-# at every M on an H100 (benchmarks/GEMM.md). The table: the best configuration a bucket on that machine.
-GEMM_MIN_M = settings.gemm_min_m()
+# Packed-weight GEMM (`gemm.gemm`; `gemm.routed_gemm` for the MoE grouped products), 16-bit activations: dense
+# layers from GEMM_MIN_M to GEMM_MAX_M rows (on an H100 it beats the tensor-core GEMV and dequantize + cuBLAS at
+# 64 to 256 rows on every 8B shape, and loses to them at 32 and at 512 and more: benchmarks/GEMM.md); the MoE
+# grouped products from ROUTED_GEMM_MIN_PAIRS routed pairs (off: the routed lookup product is faster there).
+# `TURBOQUANT_GEMM_MIN_M=N` serves every M from N, the grouped products included; 0 turns it off.
+_GEMM_ENV = settings.gemm_min_m()
+GEMM_MIN_M = 33 if _GEMM_ENV is None else _GEMM_ENV
+GEMM_MAX_M = 256 if _GEMM_ENV is None else 1 << 62
+ROUTED_GEMM_MIN_PAIRS = 1 << 62 if _GEMM_ENV is None else _GEMM_ENV
 # (largest M, (BM, BN, SWAP, LANES, GROUP, num_warps, num_stages, largest split-K)) by bucket of M, the last bucket
 # for any larger M.
 GEMM_CONFIGS = (
@@ -113,7 +118,5 @@ GEMM_CONFIGS = (
 GEMM_MAX_SPLIT = 8
 # The packed words and norms of the next block of inputs loaded before the current block is decoded.
 GEMM_PREFETCH = True
-# The same in the prefill's weight decoding (`dequantize_lut` without a selection of experts).
-DEQUANT_PREFETCH = False
 GEMM_SMS = 132
 GEMM_COUNTERS = 1 << 16

@@ -772,7 +772,7 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime, monkeypatch):
     routed_gemm = L.gemm.routed_gemm
     for scratch, rotated, fused_max, on_gemm in settings:
         t = 2 if scratch is None else 4
-        monkeypatch.setattr(T, "GEMM_MIN_M", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
+        monkeypatch.setattr(T, "ROUTED_GEMM_MIN_PAIRS", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
         gemms = []
         monkeypatch.setattr(L.gemm, "routed_gemm", lambda *a, **kw: gemms.append(1) or routed_gemm(*a, **kw))
         monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch or chunked)
@@ -970,7 +970,7 @@ def test_moe_experts_kernel_paths_in_other_layouts(L, M, kind, bits, runtime, mo
     routed_gemm = L.gemm.routed_gemm
     for scratch, rotated, fused_max, on_gemm in settings:
         t = 2 if scratch is None else (6 if kind == "gpt_oss" else 9)
-        monkeypatch.setattr(T, "GEMM_MIN_M", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
+        monkeypatch.setattr(T, "ROUTED_GEMM_MIN_PAIRS", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
         gemms = []
         monkeypatch.setattr(L.gemm, "routed_gemm", lambda *a, **kw: gemms.append(1) or routed_gemm(*a, **kw))
         monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch or per_expert)
@@ -1122,10 +1122,10 @@ def test_registration():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("g", [64, 128])
-def test_lookup_dequantization(L, bits, g, monkeypatch):
+def test_lookup_dequantization(L, bits, g):
     """`dequantize_lut`, the prefill path's scratch weight: the rotated-basis weight and the weight itself (the
-    rotation undone by the +-1 matrix product), from both layouts, with several row blocks per program (also each
-    program's next block loaded ahead), rows and `in_features` not multiples of the block or of G. Its codebook values are 16-bit patterns, so it is
+    rotation undone by the +-1 matrix product), from both layouts, with several row blocks per program, rows
+    and `in_features` not multiples of the block or of G. Its codebook values are 16-bit patterns, so it is
     within 4e-3 of the float32 codec, and above 1e-5 (the rounded values are really in use)."""
     n, k = 21, 330
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=60 + bits + g)
@@ -1147,13 +1147,6 @@ def test_lookup_dequantization(L, bits, g, monkeypatch):
             # follows the operand shapes on some CPUs, so other block sizes agree to float32 rounding there)
             same_w = torch.equal if not _INTERPRETED else (lambda a, b: _rel(a, b) < 1e-6)
             assert torch.equal(rot, first[0]) and same_w(w, first[1]), (pk.dtype, block_rows)
-            if programs:  # each program's next block loaded ahead: the same values
-                monkeypatch.setattr(L.tuning, "DEQUANT_PREFETCH", True)
-                assert torch.equal(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, block_rows=block_rows,
-                                                    programs=programs), rot)
-                assert same_w(L.dequantize_lut(pk, norms, _kcb(pk, cb), g, torch.float32, s1, s2, k,
-                                               block_rows=block_rows, programs=programs), w)
-                monkeypatch.setattr(L.tuning, "DEQUANT_PREFETCH", False)
         # selected matrices of a stack (experts): the 21 rows as three matrices of 7, the third and the first
         sel = torch.tensor([2, 0], dtype=torch.int32)
         rows = torch.cat([torch.arange(14, 21), torch.arange(0, 7)])
@@ -1168,13 +1161,13 @@ def test_lookup_dequantization(L, bits, g, monkeypatch):
 
 
 def test_gemm_min_m_from_environment(monkeypatch):
-    """`TURBOQUANT_GEMM_MIN_M` sets the smallest M of the packed-weight GEMM; unset or 0 leaves it off; anything
-    else is refused with the variable's name."""
+    """`TURBOQUANT_GEMM_MIN_M` sets the smallest M of the packed-weight GEMM; 0 turns it off; unset leaves the tuned
+    range; anything else is refused with the variable's name."""
     from turboquant_hf import settings
 
     monkeypatch.delenv("TURBOQUANT_GEMM_MIN_M", raising=False)
-    assert settings.gemm_min_m() == 1 << 62
-    for raw, want in (("0", 1 << 62), ("17", 17), ("2", 2)):
+    assert settings.gemm_min_m() is None
+    for raw, want in (("0", 1 << 62), ("17", 17), ("2", 2), ("", None)):
         monkeypatch.setenv("TURBOQUANT_GEMM_MIN_M", raw)
         assert settings.gemm_min_m() == want
     for bad in ("1", "-3", "many"):
@@ -1471,8 +1464,8 @@ def _cuda_check(bits) -> int:
                 print(f"{'ok  ' if ok else 'FAIL'} gemm bits={bits} M={m} {str(dt)[6:]} {cfg} prefetch={pf} "
                       f"rel_err={err:.2e}")
             KT.GEMM_PREFETCH = old_pf
-        old = KT.GEMM_MIN_M
-        KT.GEMM_MIN_M = 17
+        old = (KT.GEMM_MIN_M, KT.GEMM_MAX_M)
+        KT.GEMM_MIN_M, KT.GEMM_MAX_M = 17, 1 << 62
         try:
             for m in (17, 300):
                 x = torch.randn(m, k).to(torch.bfloat16)
@@ -1499,7 +1492,7 @@ def _cuda_check(bits) -> int:
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} gemm split-K CUDA graph bits={bits} rel_err={err:.2e}")
         finally:
-            KT.GEMM_MIN_M = old
+            KT.GEMM_MIN_M, KT.GEMM_MAX_M = old
     # the MoE op on CUDA (pair path at decode, the fused routed products for many tokens: blocks of 32 rows at
     # T = 40, of 128 at T = 300) against the CPU reference, and both inside a CUDA graph
     e, h, inter, g = 16, 512, 256, 128

@@ -55,10 +55,13 @@ def moe_scratch_bytes() -> int:
     return mb << 20
 
 
-def gemm_min_m() -> int:
-    """`TURBOQUANT_GEMM_MIN_M`: the smallest number of activation rows the packed-weight GEMM serves (at least 2;
-    unset or 0: the GEMM serves none, `kernels/gemm.py`)."""
-    raw = os.environ.get("TURBOQUANT_GEMM_MIN_M", "0")
+def gemm_min_m() -> int | None:
+    """`TURBOQUANT_GEMM_MIN_M`: the smallest number of activation rows the packed-weight GEMM serves, at every
+    larger M and in the MoE layer's grouped products too (at least 2; 0: the GEMM serves none; unset: None, the
+    tuned range of `kernels/tuning.py`)."""
+    raw = os.environ.get("TURBOQUANT_GEMM_MIN_M")
+    if raw is None or raw == "":
+        return None
     try:
         m = int(raw)
     except ValueError:
