@@ -148,18 +148,19 @@ def main() -> int:
                 unit = GM.lane_unit(case.nl if case.nl != 3 else 4)
                 xr_lane = L.rotate(x, case.s1, case.s2, case.g, torch.bfloat16, lane_unit=unit)
                 t_bf16, _ = B.time_calls([lambda w=w: F.linear(x, w) for w in bw], graph=True)
-                old = T.GEMM_MIN_M
-                T.GEMM_MIN_M = 1 << 30  # the dispatch without the GEMM
+                old = (T.GEMM_MIN_M, T.GEMM_MAX_M, T.GEMM_LEVELS, T.GEMM_GROUP_MULTIPLE)
+                T.GEMM_MIN_M = 1 << 62  # the dispatch without the GEMM
                 t_op, _ = B.time_calls([lambda pk=pk, nr=nr: torch.ops.turboquant.linear(
                     x, pk, nr, case.cb_ours, case.s1, case.s2, case.g, k) for pk, nr in q], graph=True)
-                T.GEMM_MIN_M = 17  # ... and with it, as `gemm_config` chooses (checked first)
+                # ... and with it at every M, as `gemm_config` chooses (checked first)
+                T.GEMM_MIN_M, T.GEMM_MAX_M, T.GEMM_LEVELS, T.GEMM_GROUP_MULTIPLE = 17, 1 << 62, (4, 8, 16), 64
                 y_op = torch.ops.turboquant.linear(x, q[0][0], q[0][1], case.cb_ours, case.s1, case.s2, case.g, k)
                 err_op = B.rel_err(y_op, ref)
                 if not err_op < 2e-2:
                     print(f"  {label} M={m}: the op with the GEMM is WRONG: rel. error {err_op:.2e}", flush=True)
                 t_op_gemm, _ = B.time_calls([lambda pk=pk, nr=nr: torch.ops.turboquant.linear(
                     x, pk, nr, case.cb_ours, case.s1, case.s2, case.g, k) for pk, nr in q], graph=True)
-                T.GEMM_MIN_M = old
+                T.GEMM_MIN_M, T.GEMM_MAX_M, T.GEMM_LEVELS, T.GEMM_GROUP_MULTIPLE = old
                 t_rot, _ = B.time_calls([lambda: L.rotate(x, case.s1, case.s2, case.g, torch.bfloat16,
                                                           lane_unit=unit)], graph=True)
                 best = None
