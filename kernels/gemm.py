@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import tuning
 from .gemv_mma import _mma_pairs, _mma_pairs2, _mma_scale, _mma_values, _mma_words, _norm_pattern
-from .launch import cdiv, launch, next_power_of_2, triton_version
+from .launch import bind, cdiv, launch, memo, next_power_of_2, triton_version
 from .lut import _byte_tables, _unit_nibbles
 from .ptx import _TOP3_ASM
 
@@ -379,6 +379,31 @@ def gemm_config(m: int, n: int, ng: int, n_levels: int, group_size: int, lanes: 
     return bm, bn, bk, split, swap, lanes, group, warps, stages
 
 
+@memo
+def _gemm_plan(m: int, n: int, ng: int, n_levels: int, group_size: int, config: tuple, runtime_layout: bool,
+               use_asm: bool, lanes_first: bool, f16: bool) -> tuple:
+    """`gemm`'s launch for these shapes and options: (tiles, split, the kernel bound for that split, the kernel
+    bound without split-K: for a launch with no counters)."""
+    bm, bn, bk, split, swap, lanes, group, warps, stages = config
+    if lanes and (not swap or bn % (16 * warps) or bk % (4 * lane_unit(n_levels))):
+        raise ValueError(f"the lane order needs SWAP, BN a multiple of 16 num_warps and blocks of four lanes' units, "
+                         f"not {config}")
+    if group_size % bk or (ng * group_size // bk) % split:
+        raise ValueError(f"blocks of {bk} inputs must divide the group ({group_size}), and the split ({split}) "
+                         f"the row's {ng * group_size // bk} blocks")
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    if tiles > tuning.GEMM_COUNTERS:
+        split = 1
+
+    def bound(s: int):
+        return bind(_gemm_kernel, NG=ng, KSTEPS=ng * group_size // bk // s, NLEV=n_levels, G=group_size, BK=bk,
+                    BM=bm, BN=bn, SWAP=bool(swap), GROUP=group, RUNTIME_LAYOUT=runtime_layout, F16=f16,
+                    USE_ASM=use_asm, LANES=bool(lanes), WARPS=warps, LANES_FIRST=lanes_first,
+                    PREFETCH=tuning.GEMM_PREFETCH, num_warps=warps, num_stages=stages)
+
+    return tiles, split, bound(split), bound(1) if split > 1 else None
+
+
 def gemm(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
          out_dtype: torch.dtype, config=None, runtime_layout: bool = True, use_asm: bool = True,
          lanes_first: bool | None = None) -> torch.Tensor:
@@ -397,31 +422,21 @@ def gemm(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codeboo
     out = torch.empty(m, n, dtype=out_dtype, device=x_rot.device)
     if m == 0 or n == 0:
         return out
-    bm, bn, bk, split, swap, lanes, group, warps, stages = config or gemm_config(m, n, ng, n_levels, group_size)
-    if lanes and (not swap or bn % (16 * warps) or bk % (4 * lane_unit(n_levels))):
-        raise ValueError(f"the lane order needs SWAP, BN a multiple of 16 num_warps and blocks of four lanes' units, "
-                         f"not {(bm, bn, bk, split, swap, lanes, group, warps, stages)}")
-    if group_size % bk or (ng * group_size // bk) % split:
-        raise ValueError(f"blocks of {bk} inputs must divide the group ({group_size}), and the split ({split}) "
-                         f"the row's {ng * group_size // bk} blocks")
+    f16 = (x_rot.dtype if x_rot.dtype != torch.float32 else out_dtype) == torch.float16
+    tiles, split, kernel, unsplit = _gemm_plan(
+        m, n, ng, n_levels, group_size, tuple(config or gemm_config(m, n, ng, n_levels, group_size)),
+        runtime_layout, use_asm, triton_version() < (3, 7) if lanes_first is None else bool(lanes_first), f16)
     if x_rot.stride(-1) != 1:
         x_rot = x_rot.contiguous()
-    tiles = cdiv(m, bm) * cdiv(n, bn)
-    cnt = _counters(x_rot.device) if split > 1 and tiles <= tuning.GEMM_COUNTERS else None
-    if cnt is None:
-        split = 1
+    cnt = _counters(x_rot.device) if split > 1 else None
+    if cnt is None and split > 1:  # (no counters yet while a CUDA graph is captured)
+        split, kernel = 1, unsplit
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x_rot.device) if split > 1 else out
-    cnt = cnt if cnt is not None else norms
-    f16 = (x_rot.dtype if x_rot.dtype != torch.float32 else out_dtype) == torch.float16
     flat = packed.reshape(-1)
     if packed.dtype != torch.int32:
         flat = flat.view(torch.int32)
-    launch(_gemm_kernel, (tiles, split), x_rot, flat, norms, codebook, out, ws, cnt, m, n, x_rot.stride(0),
-           out.stride(0), split, NG=ng, KSTEPS=ng * group_size // bk // split, NLEV=n_levels, G=group_size,
-           BK=bk, BM=bm, BN=bn, SWAP=bool(swap),
-           GROUP=group, RUNTIME_LAYOUT=runtime_layout, F16=f16, USE_ASM=use_asm, LANES=bool(lanes), WARPS=warps,
-           LANES_FIRST=triton_version() < (3, 7) if lanes_first is None else bool(lanes_first),
-           PREFETCH=tuning.GEMM_PREFETCH, num_warps=warps, num_stages=stages)
+    kernel((tiles, split), x_rot, flat, norms, codebook, out, ws, cnt if cnt is not None else norms, m, n,
+           x_rot.stride(0), out.stride(0), split)
     return out
 
 
