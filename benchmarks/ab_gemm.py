@@ -20,7 +20,7 @@ from turboquant_hf.kernels import tuning as T
 
 SHAPES = (("4096x4096", 4096, 4096), ("4096->6144 (q/k/v)", 4096, 6144), ("4096->28672 (gate/up)", 4096, 28672),
           ("14336->4096 (down)", 14336, 4096), ("2048->1024 (expert)", 2048, 1024))
-_EVERYWHERE = dict(GEMM_MIN_M=17, GEMM_MAX_M=1 << 62, GEMM_LEVELS=(4, 8, 16), GEMM_GROUP_MULTIPLE=64)
+_EVERYWHERE = dict(T.GEMM_OPEN, GEMM_MIN_M=17)
 # (name, the tuning values it sets; {}: as dispatched by default)
 VARIANTS = (("no GEMM", dict(GEMM_MIN_M=1 << 62)), ("GEMM", dict(_EVERYWHERE, GEMM_PREFETCH=False)),
             ("GEMM+prefetch", dict(_EVERYWHERE, GEMM_PREFETCH=True)), ("default", {}))

@@ -148,19 +148,21 @@ def main() -> int:
                 unit = GM.lane_unit(case.nl if case.nl != 3 else 4)
                 xr_lane = L.rotate(x, case.s1, case.s2, case.g, torch.bfloat16, lane_unit=unit)
                 t_bf16, _ = B.time_calls([lambda w=w: F.linear(x, w) for w in bw], graph=True)
-                old = (T.GEMM_MIN_M, T.GEMM_MAX_M, T.GEMM_LEVELS, T.GEMM_GROUP_MULTIPLE)
+                old = {key: getattr(T, key) for key in ("GEMM_MIN_M", *T.GEMM_OPEN)}
                 T.GEMM_MIN_M = 1 << 62  # the dispatch without the GEMM
                 t_op, _ = B.time_calls([lambda pk=pk, nr=nr: torch.ops.turboquant.linear(
                     x, pk, nr, case.cb_ours, case.s1, case.s2, case.g, k) for pk, nr in q], graph=True)
                 # ... and with it at every M, as `gemm_config` chooses (checked first)
-                T.GEMM_MIN_M, T.GEMM_MAX_M, T.GEMM_LEVELS, T.GEMM_GROUP_MULTIPLE = 17, 1 << 62, (4, 8, 16), 64
+                for key, value in dict(T.GEMM_OPEN, GEMM_MIN_M=17).items():
+                    setattr(T, key, value)
                 y_op = torch.ops.turboquant.linear(x, q[0][0], q[0][1], case.cb_ours, case.s1, case.s2, case.g, k)
                 err_op = B.rel_err(y_op, ref)
                 if not err_op < 2e-2:
                     print(f"  {label} M={m}: the op with the GEMM is WRONG: rel. error {err_op:.2e}", flush=True)
                 t_op_gemm, _ = B.time_calls([lambda pk=pk, nr=nr: torch.ops.turboquant.linear(
                     x, pk, nr, case.cb_ours, case.s1, case.s2, case.g, k) for pk, nr in q], graph=True)
-                T.GEMM_MIN_M, T.GEMM_MAX_M, T.GEMM_LEVELS, T.GEMM_GROUP_MULTIPLE = old
+                for key, value in old.items():
+                    setattr(T, key, value)
                 t_rot, _ = B.time_calls([lambda: L.rotate(x, case.s1, case.s2, case.g, torch.bfloat16,
                                                           lane_unit=unit)], graph=True)
                 best = None

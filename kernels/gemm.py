@@ -141,6 +141,14 @@ def _lane_values(w0, w1, w2, t0, t1, t2, t3, t4, t5, t6, t7, nsc, NLEV: tl.const
 
 
 @triton.jit
+def _block_words(pk_ptr, wrow, wun, nptr, b, NUT: tl.constexpr, WPU: tl.constexpr, UPB: tl.constexpr,
+                 BPG: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
+    """The packed words (units `wun` of block b of rows `wrow`) and the norms (at `nptr`) of block b."""
+    w0, w1, w2 = _mma_words(pk_ptr, wrow, b * UPB + wun, NUT, WPU, RUNTIME_LAYOUT, False)
+    return w0, w1, w2, tl.load(nptr + b // BPG)
+
+
+@triton.jit
 def _tile_acc(x_ptr, xsrc, stride_xm, pk_ptr, nrm_ptr, wbase, n0, N, b0, t0, t1, t2, t3, t4, t5, t6, t7,
               NG: tl.constexpr, KSTEPS: tl.constexpr, NLEV: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr,
@@ -191,18 +199,15 @@ def _tile_acc(x_ptr, xsrc, stride_xm, pk_ptr, nrm_ptr, wbase, n0, N, b0, t0, t1,
         wun = ub
         nptr = nrow
     if PREFETCH:
-        c0, c1, c2 = _mma_words(pk_ptr, wrow, b0 * UPB + wun, NUT, WPU, RUNTIME_LAYOUT, False)
-        cn = tl.load(nptr + b0 // BPG)
+        c0, c1, c2, cn = _block_words(pk_ptr, wrow, wun, nptr, b0, NUT, WPU, UPB, BPG, RUNTIME_LAYOUT)
     for i in range(KSTEPS):
         b = b0 + i
         if PREFETCH:
             w0, w1, w2, nr = c0, c1, c2, cn
-            nb = b0 + tl.minimum(i + 1, KSTEPS - 1)
-            c0, c1, c2 = _mma_words(pk_ptr, wrow, nb * UPB + wun, NUT, WPU, RUNTIME_LAYOUT, False)
-            cn = tl.load(nptr + nb // BPG)
+            c0, c1, c2, cn = _block_words(pk_ptr, wrow, wun, nptr, b0 + tl.minimum(i + 1, KSTEPS - 1), NUT, WPU,
+                                          UPB, BPG, RUNTIME_LAYOUT)
         else:
-            w0, w1, w2 = _mma_words(pk_ptr, wrow, b * UPB + wun, NUT, WPU, RUNTIME_LAYOUT, False)
-            nr = tl.load(nptr + b // BPG)
+            w0, w1, w2, nr = _block_words(pk_ptr, wrow, wun, nptr, b, NUT, WPU, UPB, BPG, RUNTIME_LAYOUT)
         nsc = _norm_pattern(nr.to(tl.float32), F16, USE_ASM)
         if LANES:
             nsc = tl.broadcast_to(nsc, w0.shape)

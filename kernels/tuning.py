@@ -103,11 +103,13 @@ FUSED_MAX_PAIRS = 1 << 62
 # and G = 64 are not timed yet); the MoE grouped products from ROUTED_GEMM_MIN_PAIRS routed pairs (off: the routed
 # lookup product is faster there). `TURBOQUANT_GEMM_MIN_M=N` serves every M from N, every tier and group size it
 # can, the grouped products included; 0 turns it off.
+# GEMM_OPEN: what `TURBOQUANT_GEMM_MIN_M` opens besides the smallest M.
+GEMM_OPEN = dict(GEMM_MAX_M=1 << 62, GEMM_LEVELS=(4, 8, 16), GEMM_GROUP_MULTIPLE=64)
 _GEMM_ENV = settings.gemm_min_m()
 GEMM_MIN_M = 33 if _GEMM_ENV is None else _GEMM_ENV
-GEMM_MAX_M = 256 if _GEMM_ENV is None else 1 << 62
-GEMM_LEVELS = (8,) if _GEMM_ENV is None else (4, 8, 16)
-GEMM_GROUP_MULTIPLE = 128 if _GEMM_ENV is None else 64
+GEMM_MAX_M = 256 if _GEMM_ENV is None else GEMM_OPEN["GEMM_MAX_M"]
+GEMM_LEVELS = (8,) if _GEMM_ENV is None else GEMM_OPEN["GEMM_LEVELS"]
+GEMM_GROUP_MULTIPLE = 128 if _GEMM_ENV is None else GEMM_OPEN["GEMM_GROUP_MULTIPLE"]
 ROUTED_GEMM_MIN_PAIRS = 1 << 62 if _GEMM_ENV is None else _GEMM_ENV
 # (largest M, (BM, BN, SWAP, LANES, GROUP, num_warps, num_stages, largest split-K)) by bucket of M, the last bucket
 # for any larger M.

@@ -237,9 +237,8 @@ def test_linear_op_paths(L, bits, dtype, monkeypatch):
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=3)
     gen = torch.Generator().manual_seed(11)
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
-    monkeypatch.setattr(T, "GEMM_MIN_M", 17)  # (every tier and group size it serves, as TURBOQUANT_GEMM_MIN_M sets)
-    monkeypatch.setattr(T, "GEMM_LEVELS", (4, 8, 16))
-    monkeypatch.setattr(T, "GEMM_GROUP_MULTIPLE", 64)
+    for key, value in dict(T.GEMM_OPEN, GEMM_MIN_M=17).items():  # (as TURBOQUANT_GEMM_MIN_M=17 sets it)
+        monkeypatch.setattr(T, key, value)
     dequantized, gemms = [], []
     for name in ("dequantize_lut", "dequantize_rotated"):
         monkeypatch.setattr(L, name, lambda *a, _f=getattr(L, name), **kw: dequantized.append(1) or _f(*a, **kw))
@@ -663,9 +662,8 @@ def test_runtime_layout_kernels(L, bits, g, monkeypatch):
     n, k = 20, 330
     packed, norms, cb, s1, s2 = _weight(n, k, bits, g, seed=40 + bits + g)
     nl, ng = cb.numel(), norms.shape[1]
-    monkeypatch.setattr(T, "GEMM_MIN_M", 17)  # (every tier and group size it serves, as TURBOQUANT_GEMM_MIN_M sets)
-    monkeypatch.setattr(T, "GEMM_LEVELS", (4, 8, 16))
-    monkeypatch.setattr(T, "GEMM_GROUP_MULTIPLE", 64)
+    for key, value in dict(T.GEMM_OPEN, GEMM_MIN_M=17).items():  # (as TURBOQUANT_GEMM_MIN_M=17 sets it)
+        monkeypatch.setattr(T, key, value)
     rt, cbr = layout.to_runtime(packed, nl, g, ng), layout.runtime_codebook(cb)
     assert rt.dtype == torch.int32 and not torch.equal(rt.view(torch.uint8).view(packed.shape), packed)
     gen = torch.Generator().manual_seed(2)
@@ -1470,8 +1468,9 @@ def _cuda_check(bits) -> int:
                 print(f"{'ok  ' if ok else 'FAIL'} gemm bits={bits} M={m} {str(dt)[6:]} {cfg} prefetch={pf} "
                       f"rel_err={err:.2e}")
             KT.GEMM_PREFETCH = old_pf
-        old = (KT.GEMM_MIN_M, KT.GEMM_MAX_M, KT.GEMM_LEVELS, KT.GEMM_GROUP_MULTIPLE)
-        KT.GEMM_MIN_M, KT.GEMM_MAX_M, KT.GEMM_LEVELS, KT.GEMM_GROUP_MULTIPLE = 17, 1 << 62, (4, 8, 16), 64
+        old = {key: getattr(KT, key) for key in ("GEMM_MIN_M", *KT.GEMM_OPEN)}
+        for key, value in dict(KT.GEMM_OPEN, GEMM_MIN_M=17).items():
+            setattr(KT, key, value)
         try:
             for m in (17, 300):
                 x = torch.randn(m, k).to(torch.bfloat16)
@@ -1498,7 +1497,8 @@ def _cuda_check(bits) -> int:
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} gemm split-K CUDA graph bits={bits} rel_err={err:.2e}")
         finally:
-            KT.GEMM_MIN_M, KT.GEMM_MAX_M, KT.GEMM_LEVELS, KT.GEMM_GROUP_MULTIPLE = old
+            for key, value in old.items():
+                setattr(KT, key, value)
     # the MoE op on CUDA (pair path at decode, the fused routed products for many tokens: blocks of 32 rows at
     # T = 40, of 128 at T = 300) against the CPU reference, and both inside a CUDA graph
     e, h, inter, g = 16, 512, 256, 128
