@@ -363,6 +363,14 @@ def serves(n_levels: int, group_size: int) -> bool:
     return n_levels in (4, 8, 16) and (group_size == 64 or group_size % 128 == 0)
 
 
+def dispatched(n_levels: int, group_size: int, packed: torch.Tensor | None = None) -> bool:
+    """Whether the dispatch routes a weight of this codebook size, group size and packed form to the GEMM (its
+    rows aside): one it serves, of the tiers `tuning.GEMM_LEVELS` and groups a multiple of
+    `tuning.GEMM_GROUP_MULTIPLE`, in the runtime layout or (2- and 3-bit) the published bytes."""
+    return (n_levels in tuning.GEMM_LEVELS and group_size % tuning.GEMM_GROUP_MULTIPLE == 0
+            and serves(n_levels, group_size) and (packed is None or packed.dtype == torch.int32 or n_levels != 16))
+
+
 def gemm_config(m: int, n: int, ng: int, n_levels: int, group_size: int, lanes: bool = True) -> tuple:
     """(BM, BN, BK, SPLIT, SWAP, LANES, GROUP, num_warps, num_stages) for M activation rows and an `(n, ng
     groups)` weight: the bucket of M from `tuning.GEMM_CONFIGS`, BK the group size up to 128, SPLIT raised until the

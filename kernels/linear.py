@@ -526,18 +526,14 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 def path(m: int, n_levels: int, group_size: int, dtype: torch.dtype, packed: torch.Tensor | None = None) -> str:
     """The product for M activation rows in `dtype` (the one dispatch table of `product` and `linear`): "pairs"
     (`gemv_pairs`, M <= PAIR_MAX_M, 16-bit, a lookup unit), "fma" (`gemv_fma`, M <= FMA_MAX_M, or float32 up to
-    DOT_MAX_M), "gemm" (`gemm.gemm`, GEMM_MIN_M <= M <= GEMM_MAX_M, 16-bit, the tiers and group sizes of
-    GEMM_LEVELS and GEMM_GROUP_MULTIPLE that it serves: `packed` in the runtime layout, or 2- and 3-bit published
-    bytes), "dot" (`gemv_dot`, M <= DOT_MAX_M or `mid_m`), else
-    "prefill" (dequantize, then cuBLAS)."""
+    DOT_MAX_M), "gemm" (`gemm.gemm`, GEMM_MIN_M <= M <= GEMM_MAX_M, 16-bit, a weight `gemm.dispatched` routes to
+    it), "dot" (`gemv_dot`, M <= DOT_MAX_M or `mid_m`), else "prefill" (dequantize, then cuBLAS)."""
     sixteen = dtype in (torch.bfloat16, torch.float16)
     if m <= tuning.PAIR_MAX_M and sixteen and lut_unit(n_levels, group_size):
         return "pairs"
     if m <= tuning.FMA_MAX_M or (m <= tuning.DOT_MAX_M and not sixteen):
         return "fma"
-    if (sixteen and tuning.GEMM_MIN_M <= m <= tuning.GEMM_MAX_M and n_levels in tuning.GEMM_LEVELS
-            and group_size % tuning.GEMM_GROUP_MULTIPLE == 0 and gemm.serves(n_levels, group_size)
-            and (packed is None or packed.dtype == torch.int32 or n_levels != 16)):
+    if sixteen and tuning.GEMM_MIN_M <= m <= tuning.GEMM_MAX_M and gemm.dispatched(n_levels, group_size, packed):
         return "gemm"
     if m <= tuning.DOT_MAX_M or mid_m(m, n_levels, group_size, dtype):
         return "dot"

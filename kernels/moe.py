@@ -451,8 +451,7 @@ def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb
     the device (`_device_routing`), the gate/up product reading each pair's token row directly (`routed_lut_mm`),
     `act_mul`, the intermediate rows rotated, the down product, `combine`. No host synchronisation, no scratch
     buffer; only the routed experts' weights are read (a block of rows of one expert at a time)."""
-    if top_k_index.numel() >= T.ROUTED_GEMM_MIN_PAIRS and _routed_gemm_serves(gu_packed, gu_cb, g) and \
-            _routed_gemm_serves(d_packed, d_cb, g):
+    if _routed_on_gemm(top_k_index.numel(), e, g, gu_packed, gu_cb, d_packed, d_cb):
         return _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb,
                             s1, s2, g, e, activation, inter, epi)
     wdt = torch.float32 if L._interpreting() else hidden.dtype  # (the interpreter computes in float32)
@@ -466,10 +465,13 @@ def _fused_routed(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb
     return combine(y, pos, top_k_weights, hidden.dtype, epi.down_bias, top_k_index)
 
 
-def _routed_gemm_serves(packed: torch.Tensor, codebook: torch.Tensor, g: int) -> bool:
-    """Whether `gemm.routed_gemm` serves these experts (as `linear.path` decides for the dense GEMM)."""
-    nl = codebook.numel()
-    return gemm.serves(nl, g) and (packed.dtype == torch.int32 or nl != 16)
+def _routed_on_gemm(pairs: int, e: int, g: int, gu_packed, gu_cb, d_packed, d_cb) -> bool:
+    """Whether a fused prefill of `pairs` routed (token, slot) pairs over `e` experts runs its grouped products on
+    the packed-weight GEMM (`gemm.routed_gemm`): from `tuning.ROUTED_GEMM_MIN_PAIRS` pairs up to
+    `tuning.ROUTED_GEMM_MAX_ROWS` pairs an expert on average, for experts the dispatch routes to the GEMM
+    (`gemm.dispatched`, as `linear.path` decides for a dense layer)."""
+    return (T.ROUTED_GEMM_MIN_PAIRS <= pairs <= T.ROUTED_GEMM_MAX_ROWS * e
+            and gemm.dispatched(gu_cb.numel(), g, gu_packed) and gemm.dispatched(d_cb.numel(), g, d_packed))
 
 
 def _routed_gemm(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2, g,

@@ -98,19 +98,21 @@ FUSED_MAX_PAIRS = 1 << 62
 
 # Packed-weight GEMM (`gemm.gemm`; `gemm.routed_gemm` for the MoE grouped products), 16-bit activations: dense
 # layers from GEMM_MIN_M to GEMM_MAX_M rows, for codebooks of GEMM_LEVELS entries and groups a multiple of
-# GEMM_GROUP_MULTIPLE (3-bit, G = 128 on an H100: it beats the tensor-core GEMV and dequantize + cuBLAS at 64 to
-# 256 rows on every 8B shape, and loses to them at 32 and at 512 and more: benchmarks/GEMM.md; the other tiers
-# and G = 64 are not timed yet); the MoE grouped products from ROUTED_GEMM_MIN_PAIRS routed pairs (off: the routed
-# lookup product is faster there). `TURBOQUANT_GEMM_MIN_M=N` serves every M from N, every tier and group size it
-# can, the grouped products included; 0 turns it off.
+# GEMM_GROUP_MULTIPLE (every tier at G = 128 on an H100: it beats the tensor-core GEMV and dequantize + cuBLAS at
+# 64 to 256 rows on every 8B shape, and loses to them at 32 on most and at 512 and more; G = 64 is not timed yet:
+# benchmarks/GEMM.md); the MoE grouped products from ROUTED_GEMM_MIN_PAIRS routed (token, slot) pairs (every
+# fused prefill past the pair path) up to ROUTED_GEMM_MAX_ROWS pairs an expert on average (the routed lookup
+# product is faster above; timed on Qwen3.5/3.6's expert shape, benchmarks/GEMM.md). `TURBOQUANT_GEMM_MIN_M=N`
+# serves every M from N, every group size it can, every number of pairs from N; 0 turns it off.
 # GEMM_OPEN: what `TURBOQUANT_GEMM_MIN_M` opens besides the smallest M.
-GEMM_OPEN = dict(GEMM_MAX_M=1 << 62, GEMM_LEVELS=(4, 8, 16), GEMM_GROUP_MULTIPLE=64)
+GEMM_OPEN = dict(GEMM_MAX_M=1 << 62, GEMM_GROUP_MULTIPLE=64, ROUTED_GEMM_MAX_ROWS=1 << 62)
 _GEMM_ENV = settings.gemm_min_m()
 GEMM_MIN_M = 33 if _GEMM_ENV is None else _GEMM_ENV
 GEMM_MAX_M = 256 if _GEMM_ENV is None else GEMM_OPEN["GEMM_MAX_M"]
-GEMM_LEVELS = (8,) if _GEMM_ENV is None else GEMM_OPEN["GEMM_LEVELS"]
+GEMM_LEVELS = (4, 8, 16)
 GEMM_GROUP_MULTIPLE = 128 if _GEMM_ENV is None else GEMM_OPEN["GEMM_GROUP_MULTIPLE"]
-ROUTED_GEMM_MIN_PAIRS = 1 << 62 if _GEMM_ENV is None else _GEMM_ENV
+ROUTED_GEMM_MIN_PAIRS = PAIR_MAX_ROWS + 1 if _GEMM_ENV is None else _GEMM_ENV
+ROUTED_GEMM_MAX_ROWS = 32 if _GEMM_ENV is None else GEMM_OPEN["ROUTED_GEMM_MAX_ROWS"]
 # (largest M, (BM, BN, SWAP, LANES, GROUP, num_warps, num_stages, largest split-K)) by bucket of M, the last bucket
 # for any larger M.
 GEMM_CONFIGS = (

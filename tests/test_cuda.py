@@ -308,11 +308,12 @@ def test_transposed_expert_models_on_gpu_match_cpu(kind, bits, tmp_path):
 def test_gpt_oss_width_experts_on_gpu_match_reference(bits, monkeypatch):
     """gpt-oss's expert widths (H = I = 2880, not a multiple of G = 128: padded) in its layout (biases, interleaved
     gate/up, the clamped SwiGLU at a limit many values pass) on the GPU against the CPU reference with the same
-    published bytes: at one token and 16 tokens (pair GEMVs), 200 tokens (fused routed products, and the decoded
-    prefill); a CUDA-graph replay of the 200-token layer gives the eager output."""
-    from turboquant_hf import TurboQuantExperts
+    published bytes: at one token and 16 tokens (pair GEMVs), 50 tokens (the packed-weight GEMM's grouped
+    products, 25 pairs an expert), 200 tokens (fused routed lookup products, and the decoded prefill); a CUDA-graph
+    replay of the 200-token layer gives the eager output."""
+    from turboquant_hf import TurboQuantExperts, settings
     from turboquant_hf.experts_layout import ExpertsLayout
-    from turboquant_hf.kernels import tuning
+    from turboquant_hf.kernels import gemm, tuning
 
     e, h, inter, k, g = 8, 2880, 2880, 4, 128
     gen = torch.Generator().manual_seed(int(bits * 10))
@@ -331,9 +332,12 @@ def test_gpt_oss_width_experts_on_gpu_match_reference(bits, monkeypatch):
             m.down_proj_bias.copy_(biases[1])
         modules[dev] = m
     assert modules["cuda"].gate_up_proj.runtime_layout and modules["cuda"].down_proj.runtime_layout
+    gemms = []
+    monkeypatch.setattr(gemm, "routed_gemm", lambda *a, _f=gemm.routed_gemm, **kw: gemms.append(1) or _f(*a, **kw))
     with torch.no_grad():
-        for t, fused in ((1, True), (16, True), (200, False), (200, True)):
+        for t, fused in ((1, True), (16, True), (50, True), (200, False), (200, True)):
             monkeypatch.setattr(tuning, "FUSED_MAX_PAIRS", 1 << 30 if fused else 0)
+            gemms.clear()
             x = torch.randn(t, h, generator=gen)
             idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
             w = torch.softmax(torch.randn(t, k, generator=gen), -1)
@@ -341,6 +345,8 @@ def test_gpt_oss_width_experts_on_gpu_match_reference(bits, monkeypatch):
             args = (x.to("cuda", torch.bfloat16), idx.cuda(), w.cuda())
             got = modules["cuda"](*args)
             assert rel(got, want) < 2e-2, (t, fused, rel(got, want))
+            if settings.gemm_min_m() is None:  # (the tuned dispatch)
+                assert len(gemms) == (2 if t == 50 else 0), (t, fused, gemms)
         # (the last case, the fused routed products, captured)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()

@@ -776,7 +776,8 @@ def test_moe_experts_kernel_paths(L, M, bits, runtime, monkeypatch):
     routed_gemm = L.gemm.routed_gemm
     for scratch, rotated, fused_max, on_gemm in settings:
         t = 2 if scratch is None else 4
-        monkeypatch.setattr(T, "ROUTED_GEMM_MIN_PAIRS", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
+        for key, value in dict(T.GEMM_OPEN, ROUTED_GEMM_MIN_PAIRS=2 if on_gemm else 1 << 62).items():
+            monkeypatch.setattr(T, key, value)  # (the grouped products on the GEMM, or not)
         gemms = []
         monkeypatch.setattr(L.gemm, "routed_gemm", lambda *a, **kw: gemms.append(1) or routed_gemm(*a, **kw))
         monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch or chunked)
@@ -969,12 +970,13 @@ def test_moe_experts_kernel_paths_in_other_layouts(L, M, kind, bits, runtime, mo
     per_expert = 3 * c["inter"] * c["h"] * 4
     settings = [(None, True, 1 << 62, False), (2 * per_expert, True, 1 << 62, False),
                 (2 * per_expert, True, 0, False)]
-    if kind == "llama4":  # (the GEMM route, off by default, shares the epilogue: one layout runs it)
+    if kind == "llama4":  # (the GEMM route shares the epilogue: one layout runs it)
         settings.append((2 * per_expert, True, 1 << 62, True))
     routed_gemm = L.gemm.routed_gemm
     for scratch, rotated, fused_max, on_gemm in settings:
         t = 2 if scratch is None else (6 if kind == "gpt_oss" else 9)
-        monkeypatch.setattr(T, "ROUTED_GEMM_MIN_PAIRS", 2 if on_gemm else 1 << 62)  # the grouped products on the GEMM
+        for key, value in dict(T.GEMM_OPEN, ROUTED_GEMM_MIN_PAIRS=2 if on_gemm else 1 << 62).items():
+            monkeypatch.setattr(T, key, value)  # (the grouped products on the GEMM, or not)
         gemms = []
         monkeypatch.setattr(L.gemm, "routed_gemm", lambda *a, **kw: gemms.append(1) or routed_gemm(*a, **kw))
         monkeypatch.setattr(T, "PREFILL_SCRATCH_BYTES", scratch or per_expert)
@@ -1178,6 +1180,48 @@ def test_gemm_min_m_from_environment(monkeypatch):
         monkeypatch.setenv("TURBOQUANT_GEMM_MIN_M", bad)
         with pytest.raises(ValueError, match="TURBOQUANT_GEMM_MIN_M"):
             settings.gemm_min_m()
+
+
+def test_gemm_dispatch_by_default_and_from_environment(L, M, monkeypatch):
+    """Unset, `TURBOQUANT_GEMM_MIN_M` leaves the tuned range: dense 16-bit layers of every tier (runtime layout; 2-
+    and 3-bit published bytes) at G = 128 from 33 to 256 rows, not G = 64, float32 or 4-bit published bytes; a MoE
+    layer's grouped products from 65 routed pairs (past the pair path) up to 32 pairs an expert. N opens every M
+    and number of pairs from N and G = 64; 0 turns the GEMM off."""
+    path = os.path.join(os.path.dirname(T.__file__), "tuning.py")
+    keys = ("GEMM_MIN_M", "GEMM_MAX_M", "GEMM_LEVELS", "GEMM_GROUP_MULTIPLE", "ROUTED_GEMM_MIN_PAIRS",
+            "ROUTED_GEMM_MAX_ROWS")
+    i32, u8 = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.uint8)
+    bf16 = torch.bfloat16
+
+    def gemm(m, nl, g, packed=i32, dtype=bf16):
+        return L.path(m, nl, g, dtype, packed) == "gemm"
+
+    def routed(pairs, e, nl, g=128, packed=i32):
+        cb = torch.zeros(nl)
+        return M._routed_on_gemm(pairs, e, g, packed, cb, packed, cb)
+
+    for raw in (None, "17", "0"):
+        if raw is None:
+            monkeypatch.delenv("TURBOQUANT_GEMM_MIN_M", raising=False)
+        else:
+            monkeypatch.setenv("TURBOQUANT_GEMM_MIN_M", raw)
+        spec = importlib.util.spec_from_file_location("turboquant_hf.kernels._tuning_fresh", path)
+        fresh = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(fresh)
+        for key in keys:
+            monkeypatch.setattr(T, key, getattr(fresh, key))
+        if raw is None:
+            assert [m for m in (32, 33, 64, 256, 257, 2048) if gemm(m, 8, 128)] == [33, 64, 256]
+            assert all(gemm(64, nl, 128) for nl in (4, 8, 16)) and gemm(64, 8, 256) and gemm(64, 4, 128, u8)
+            assert not (gemm(64, 8, 64) or gemm(64, 16, 128, u8) or gemm(64, 8, 128, dtype=torch.float32))
+            assert [p for p in (64, 65, 8192, 8193) if routed(p, 256, 8)] == [65, 8192]
+            assert routed(96, 8, 4) and not routed(257, 8, 4) and not routed(96, 8, 8, g=64)
+            assert not routed(96, 8, 16, packed=u8)
+        elif raw == "17":
+            assert [m for m in (16, 17, 2048) if gemm(m, 8, 64)] == [17, 2048]
+            assert routed(17, 8, 8, g=64) and routed(1 << 20, 8, 8) and not routed(16, 8, 8)
+        else:
+            assert not any(gemm(m, 8, 128) for m in (33, 64, 256, 2048)) and not routed(96, 256, 8)
 
 
 def _lane_order_by_hand(x_rot: torch.Tensor, unit: int, block: int) -> torch.Tensor:
