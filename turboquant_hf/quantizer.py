@@ -10,10 +10,10 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
-from . import mlx, patches, planning, settings, tensor_parallel
+from . import mlx, offload, patches, planning, quantize_loaded, saving, settings, tensor_parallel
 from .config import TurboQuantConfig
 from .fusion import fuse_projections
-from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight, to_norms_dtype
+from .modules import TurboQuantWeight, to_norms_dtype
 
 logger = logging.get_logger(__name__)
 
@@ -80,7 +80,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
     # -- environment ---------------------------------------------------------------------------------------------
     def validate_environment(self, *args, **kwargs):
         """Every device_map works: layers offloaded to "disk" keep their packed tensors (buffers) in CPU memory
-        unless `offload_buffers=True`, which offloads them too (see `onload_weights_with_owner`)."""
+        unless `offload_buffers=True`, which offloads them too (see `offload.onload_weights_with_owner`)."""
 
     def update_dtype(self, dtype):
         self.load_dtype = dtype
@@ -191,10 +191,10 @@ class TurboQuantHfQuantizer(HfQuantizer):
                     "parallelism (tp_plan) does not support: quantize in one process, save_pretrained, and load the "
                     "saved checkpoint with tp_plan"
                 )
-            quantize_after_loading(model, self.quantization_config)
+            quantize_loaded.quantize_after_loading(model, self.quantization_config)
         tensor_parallel.load_shards(model, self.checkpoint_index)
-        offloaded = disk_offloaded_modules(model)
-        onload_weights_with_owner(model)
+        offloaded = offload.disk_offloaded_modules(model)
+        offload.onload_weights_with_owner(model)
         for name, module in model.named_modules():
             if isinstance(module, TurboQuantWeight) and module.awaiting_dtype is not None:
                 raise ckpt.CheckpointError(f"checkpoint is missing {name} (needed to quantize it)")
@@ -202,7 +202,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
                 for attr, shape in module.expected_shapes().items():
                     t = getattr(module, attr)
                     got = module.packed_shape() if attr == "tq_packed" else tuple(t.shape)
-                    if (t.is_meta and not _under(name, offloaded)) or got != shape:
+                    if (t.is_meta and not offload.under(name, offloaded)) or got != shape:
                         raise ckpt.CheckpointError(
                             f"{name}.{attr}: expected shape {shape}, got {got} on {t.device}"
                         )
@@ -215,7 +215,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         # q/k/v and gate/up as one op each on a GPU (not for one rank's slices: their forward is tensor_parallel's)
         if settings.fuse_projections() and not tensor_parallel.sharded_weights(model):
             fuse_projections(model, device_type="cuda")
-        _drop_expert_converters_for_saving(model)
+        saving.drop_expert_converters(model)
         for p in model.parameters():
             p.requires_grad_(False)
         sharded = bool(tensor_parallel.sharded_weights(model))
@@ -284,109 +284,9 @@ class TurboQuantHfQuantizer(HfQuantizer):
         return True
 
 
-def quantize_after_loading(model, config: TurboQuantConfig) -> None:
-    """Quantize a model loaded in float: bits allocated under `config.target_bits_per_weight` (when the budget
-    allocator is installed), then calibrated rounding (`config.calibration`) or round-to-nearest; the data used is
-    recorded in `config.calibrated_with`."""
-    import re
-
-    from .calibration import calibrate_model, resolve_options, rtn_quantize
-    from .calibration_data import calibration_batches, describe
-    from .config import CalibrationConfig
-
-    cal = config.calibration if config.calibration is not None else CalibrationConfig()
-    resolve_options(cal.options)  # a bad option is reported before any work
-    batches = calibration_batches(cal, model)
-    allocation = None
-    if config.target_bits_per_weight is not None:
-        from .budget import allocate_bits
-
-        allocation = {}
-        chosen = allocate_bits(model, config, batches, report=allocation)
-        config.module_bits = {**{f"^{re.escape(name)}$": bits for name, bits in chosen.items()},
-                              **config.module_bits}
-        logger.info("TurboQuant: bits allocated by the %s measure%s", allocation["measure"],
-                    "".join(f"; mean KL on the calibration batches, {m}: {v:.4f}"
-                            for m, v in allocation.get("kl", {}).items()))
-    record = describe(cal, batches)
-    if allocation is not None:
-        record["bit_allocation"] = {"measure": allocation["measure"],
-                                    **{f"kl_{m}": round(v, 6) for m, v in allocation.get("kl", {}).items()}}
-    if config.calibration is not None:
-        summary = calibrate_model(model, config, batches)
-        record.update(method=summary["method"], damping=summary["damping"])
-        if summary["options"]:
-            record["options"] = summary["options"]
-        logger.info("TurboQuant: calibrated %d blocks in %.1f s", summary["blocks"], summary["seconds"])
-    else:
-        rtn_quantize(model, planning.from_config(model, config))
-        record["method"] = "round-to-nearest"
-    config.calibrated_with = record
-
-
 def _route_parallel_plans(model) -> None:
     """TurboQuant modules under the model's tp and expert plans, when a `distributed_config` puts them in use
     (`tensor_parallel.route_parallel_plans`; the styles are wrapped by `patches.wrap_parallel_styles`)."""
     styles = tensor_parallel.route_parallel_plans(model)
     if styles:
         patches.wrap_parallel_styles(styles)
-
-
-def disk_offloaded_modules(model) -> set[str]:
-    """Names of the modules whose tensors accelerate offloads (`device_map` "disk", `offload_buffers=True`): their
-    tensors stay on the meta device and its hooks bring them in for each forward."""
-    return {name for name, module in model.named_modules() if _offloads(module)}
-
-
-def _offloads(module) -> bool:
-    """Whether an accelerate hook on `module` (alone or in a `SequentialHook`) offloads its tensors."""
-    hook = getattr(module, "_hf_hook", None)
-    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
-    return any(getattr(h, "offload", False) for h in hooks)
-
-
-def onload_weights_with_owner(model) -> int:
-    """accelerate hooks each module's own tensors into place around that module's forward; a TurboQuantWeight (the
-    packed tensors) has no forward of its own, so its offload hook runs around its owner's (the TurboQuantLinear or
-    TurboQuantExperts that computes with it). Returns how many weights it attached."""
-    count = 0
-    for owner in model.modules():
-        if not isinstance(owner, (TurboQuantLinear, TurboQuantExperts)):
-            continue
-        children = [c for c in owner.children() if isinstance(c, TurboQuantWeight) and _offloads(c)]
-        if not children or getattr(owner, "_tq_onload_children", None) is not None:
-            continue
-
-        def pre(module, args, kwargs, children=tuple(children)):
-            for c in children:
-                c._hf_hook.pre_forward(c)
-
-        def post(module, args, output, children=tuple(children)):
-            for c in children:
-                c._hf_hook.post_forward(c, None)
-
-        owner._tq_onload_children = (owner.register_forward_pre_hook(pre, with_kwargs=True),
-                                     owner.register_forward_hook(post))
-        count += len(children)
-    return count
-
-
-def _under(name: str, owners: set[str]) -> bool:
-    return any(name == o or name.startswith(o + ".") or o == "" for o in owners)
-
-
-def _drop_expert_converters_for_saving(model) -> None:
-    """Packed experts are saved pre-fused, whatever the source layout: transformers must not split them back
-    into per-expert tensors on save (its reverse converters would also match `...gate_up_proj.tq_packed`)."""
-    from transformers.core_model_loading import WeightConverter
-
-    conversions = getattr(model, "_weight_conversions", None)
-    if not conversions:
-        return
-    packed_owners = [n for n, m in model.named_modules() if isinstance(m, TurboQuantExperts)]
-    if not packed_owners:
-        return
-    model._weight_conversions = [
-        c for c in conversions
-        if not (isinstance(c, WeightConverter) and any("experts" in str(t) for t in c.target_patterns))
-    ]

@@ -17,7 +17,7 @@ from transformers.utils import logging
 
 from . import checkpoint as ckpt
 from .config import TurboQuantConfig
-from .modules import TurboQuantWeight
+from .modules import TurboQuantExperts, TurboQuantWeight
 from .planning import checkpoint_to_model_keys
 
 logger = logging.get_logger(__name__)
@@ -187,3 +187,20 @@ def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, privat
         _write_card(self, tmp, repo_id=repo_id, base_model=base_model, tags=tags)
         return push_folder(tmp, repo_id, token=token, revision=revision, create_pr=create_pr,
                            commit_message=commit_message, api=api)
+
+
+def drop_expert_converters(model) -> None:
+    """Packed experts are saved pre-fused, whatever the source layout: transformers must not split them back
+    into per-expert tensors on save (its reverse converters would also match `...gate_up_proj.tq_packed`)."""
+    from transformers.core_model_loading import WeightConverter
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if not conversions:
+        return
+    packed_owners = [n for n, m in model.named_modules() if isinstance(m, TurboQuantExperts)]
+    if not packed_owners:
+        return
+    model._weight_conversions = [
+        c for c in conversions
+        if not (isinstance(c, WeightConverter) and any("experts" in str(t) for t in c.target_patterns))
+    ]

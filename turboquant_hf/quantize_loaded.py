@@ -1,0 +1,48 @@
+"""Quantizing a model loaded in float, after transformers has read its weights: bit budgets
+(`target_bits_per_weight`), then calibrated rounding or round-to-nearest, and the record of the data used."""
+
+from __future__ import annotations
+
+import re
+
+from transformers.utils import logging
+
+from . import planning
+from .budget import allocate_bits
+from .calibration import calibrate_model, resolve_options, rtn_quantize
+from .calibration_data import calibration_batches, describe
+from .config import CalibrationConfig, TurboQuantConfig
+
+logger = logging.get_logger(__name__)
+
+
+def quantize_after_loading(model, config: TurboQuantConfig) -> None:
+    """Quantize a model loaded in float: bits allocated under `config.target_bits_per_weight` (when the budget
+    allocator is installed), then calibrated rounding (`config.calibration`) or round-to-nearest; the data used is
+    recorded in `config.calibrated_with`."""
+    cal = config.calibration if config.calibration is not None else CalibrationConfig()
+    resolve_options(cal.options)  # a bad option is reported before any work
+    batches = calibration_batches(cal, model)
+    allocation = None
+    if config.target_bits_per_weight is not None:
+        allocation = {}
+        chosen = allocate_bits(model, config, batches, report=allocation)
+        config.module_bits = {**{f"^{re.escape(name)}$": bits for name, bits in chosen.items()},
+                              **config.module_bits}
+        logger.info("TurboQuant: bits allocated by the %s measure%s", allocation["measure"],
+                    "".join(f"; mean KL on the calibration batches, {m}: {v:.4f}"
+                            for m, v in allocation.get("kl", {}).items()))
+    record = describe(cal, batches)
+    if allocation is not None:
+        record["bit_allocation"] = {"measure": allocation["measure"],
+                                    **{f"kl_{m}": round(v, 6) for m, v in allocation.get("kl", {}).items()}}
+    if config.calibration is not None:
+        summary = calibrate_model(model, config, batches)
+        record.update(method=summary["method"], damping=summary["damping"])
+        if summary["options"]:
+            record["options"] = summary["options"]
+        logger.info("TurboQuant: calibrated %d blocks in %.1f s", summary["blocks"], summary["seconds"])
+    else:
+        rtn_quantize(model, planning.from_config(model, config))
+        record["method"] = "round-to-nearest"
+    config.calibrated_with = record
