@@ -5,6 +5,9 @@ rows (`tuning.GEMM_MIN_M`, `GEMM_MAX_M`), with and without the next block's word
 weight copies that overflow the L2, and eager calls.
 
     python ab_gemm.py [--bits 3|2|4|1.58] [--ms 32,64,128,256,512,1024,2048] [--shapes 0,1,2,3]
+
+Shape 5 (gate or up alone) against shape 2 (both fused) tells whether the fused product should serve more rows
+(`tuning.FUSED_MAX_ROWS`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from turboquant_hf import format as fmt
 from turboquant_hf.kernels import tuning as T
 
 SHAPES = (("4096x4096", 4096, 4096), ("4096->6144 (q/k/v)", 4096, 6144), ("4096->28672 (gate/up)", 4096, 28672),
-          ("14336->4096 (down)", 14336, 4096), ("2048->1024 (expert)", 2048, 1024))
+          ("14336->4096 (down)", 14336, 4096), ("2048->1024 (expert)", 2048, 1024),
+          ("4096->14336 (gate or up alone)", 4096, 14336))
 _EVERYWHERE = dict(T.GEMM_OPEN, GEMM_MIN_M=17)
 # (name, the tuning values it sets; {}: as dispatched by default)
 VARIANTS = (("no GEMM", dict(GEMM_MIN_M=1 << 62)), ("GEMM", dict(_EVERYWHERE, GEMM_PREFETCH=False)),
