@@ -4,7 +4,7 @@
                                  [--methods rtn text data-free budget sentences] [--tokens 16384] [--samples 128]
                                  [--write benchmarks/QUALITY.md]  (keeps the file's "## Decisions" section)
                                  [--readme]  (rewrites the table between README.md's quality-table markers)
-                                 [--json rows.json]
+                                 [--json rows.json] [--distill-steps N]  (calibrated rows, then N distillation steps)
 
 The rows behind QUALITY.md and the README's table are kept in benchmarks/quality_rows.json; both are rewritten from
 them without measuring anything:
@@ -80,7 +80,8 @@ def quant_config(method: str, bits, args, sequence_length: int, samples: int | N
     if method == "rtn":
         return TurboQuantConfig(bits=bits, group_size=128)
     data = "data-free" if method == "data-free" else calibration_file()
-    cal = CalibrationConfig(data=data, samples=samples or args.samples, sequence_length=sequence_length, seed=0)
+    cal = CalibrationConfig(data=data, samples=samples or args.samples, sequence_length=sequence_length, seed=0,
+                            distill_steps=getattr(args, "distill_steps", 0))
     if method == "budget":
         return TurboQuantConfig(bits=3, group_size=128, calibration=cal, target_bits_per_weight=BUDGET)
     return TurboQuantConfig(bits=bits, group_size=128, calibration=cal)
@@ -240,9 +241,13 @@ def encoder_rows(args) -> list[dict]:
 
 
 def _label(row) -> str:
-    return {"rtn": "round-to-nearest", "text": "calibrated, other plays", "data-free": "calibrated, data-free",
-            "budget": f"{BUDGET}-bit budget, calibrated",
-            "sentences": "calibrated, sentences of other plays"}[row["method"]]
+    label = {"rtn": "round-to-nearest", "text": "calibrated, other plays", "data-free": "calibrated, data-free",
+             "budget": f"{BUDGET}-bit budget, calibrated",
+             "sentences": "calibrated, sentences of other plays"}[row["method"]]
+    distilled = (row.get("calibrated_with") or {}).get("distilled") or {}
+    if distilled.get("steps"):
+        label += f", + {distilled['steps']} distillation steps{'' if distilled.get('kept') else ' (undone)'}"
+    return label
 
 
 def _data(row) -> str:
@@ -379,6 +384,8 @@ def main() -> None:
                    help="all-MiniLM-L6-v2 `text` rows: calibration windows of 128 tokens (default 64)")
     p.add_argument("--calibration-sentences", type=int, default=512,
                    help="all-MiniLM-L6-v2 `sentences` rows: calibration sentences (default 512)")
+    p.add_argument("--distill-steps", type=int, default=0,
+                   help="calibrated rows: distillation steps after the rounding (CalibrationConfig.distill_steps)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--write", metavar="PATH", help="write the tables (markdown) to PATH")
     p.add_argument("--json", metavar="PATH", help="write the measured rows as JSON to PATH")

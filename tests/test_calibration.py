@@ -284,6 +284,69 @@ def test_smollm2_calibrated_kl_below_round_to_nearest(smollm2_dir):
     assert kl_cal < 0.5 * kl_rtn, (kl_cal, kl_rtn)
 
 
+def _distilled(directory, bits, batches, steps):
+    cal = CalibrationConfig(data=batches, samples=len(batches), sequence_length=batches[0].shape[1],
+                            distill_steps=steps)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, quantization_config=TurboQuantConfig(
+        bits=bits, calibration=cal)).eval()
+
+
+def _norms(model):
+    return {n: m.weight.tq_norms.clone() for n, m in model.named_modules() if isinstance(m, TurboQuantLinear)}
+
+
+def test_distillation_kept_where_the_held_out_sequences_gain(tiny_llama_dir, tmp_path):
+    """Distillation after the rounding: the calibration sequences are four copies of one (so the held-out quarter
+    is text the tuning saw, and it must gain): its KL to the float model falls, the indices stay the rounded ones,
+    the norms keep their dtype, the record says what was tuned and the checkpoint reloads with the same logits."""
+    from turboquant_hf.evaluation import compare_on_text
+
+    seq = _batches(1, 64, seed=3)[0]
+    rounded = _distilled(tiny_llama_dir, 2, [seq] * 4, 0)
+    tuned = _distilled(tiny_llama_dir, 2, [seq] * 4, 30)
+    record = tuned.config.quantization_config.calibrated_with["distilled"]
+    assert record["kept"] and record["train_sequences"] == 3 and record["held_out_sequences"] == 1
+    assert record["held_out_kl_after"] < 0.8 * record["held_out_kl_before"], record
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    kl = {name: compare_on_text(base, m, seq[0], window=63).mean_kl
+          for name, m in (("rounded", rounded), ("tuned", tuned))}
+    assert kl["tuned"] < 0.8 * kl["rounded"], kl
+    before, after = _norms(rounded), _norms(tuned)
+    assert all(after[n].dtype == before[n].dtype for n in before)
+    assert sum(not torch.equal(after[n], before[n]) for n in before) == len(before)
+    for n, m in rounded.named_modules():
+        if isinstance(m, TurboQuantLinear):
+            assert torch.equal(m.weight.tq_packed, tuned.get_submodule(n).weight.tq_packed), n
+    assert not torch.equal(tuned.model.norm.weight, rounded.model.norm.weight)  # a vector parameter tuned
+    logits = tuned(seq).logits
+    tuned.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert torch.equal(again(seq).logits, logits)
+    assert again.config.quantization_config.calibrated_with["distilled"] == record
+
+
+def test_distillation_undone_where_the_held_out_sequences_lose(tiny_llama_dir):
+    """On random token sequences (nothing to generalize from) the tuning raises the held-out sequence's KL: it is
+    undone, and the model is the rounded one bit for bit."""
+    batches = _batches(4, 64, seed=0)
+    rounded = _distilled(tiny_llama_dir, 3, batches, 0)
+    tuned = _distilled(tiny_llama_dir, 3, batches, 40)
+    record = tuned.config.quantization_config.calibrated_with["distilled"]
+    assert not record["kept"] and record["held_out_kl_after"] >= record["held_out_kl_before"], record
+    before, after = _norms(rounded), _norms(tuned)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert all(torch.equal(p, q) for p, q in zip(rounded.parameters(), tuned.parameters()))
+
+
+def test_distillation_settings_named(tiny_llama_dir):
+    for kwargs, message in (({"distill_steps": -1}, "distill_steps"), ({"distill_steps": 1.5}, "distill_steps"),
+                            ({"distill_lr": 0}, "distill_lr"), ({"distill_lr": float("nan")}, "distill_lr")):
+        with pytest.raises(ValueError, match=message):
+            CalibrationConfig(data=_batches(), **kwargs)
+    with pytest.raises(ValueError, match="at least 2 calibration sequences"):
+        _distilled(tiny_llama_dir, 3, _batches(1), 5)
+
+
 def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path):
     import json
 
@@ -296,9 +359,17 @@ def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path):
                      "--calibration-samples", "4", "--calibration-length", "32", "--json"]) == 0
     record = json.loads((out / "config.json").read_text())["quantization_config"]["calibrated_with"]
     assert record["method"] == "gptq-rotated" and record["source"] == "calibration.txt"
-    assert record["samples"] == 4 and record["sequence_length"] == 32
+    assert record["samples"] == 4 and record["sequence_length"] == 32 and "distilled" not in record
+    out = tmp_path / "distilled"
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(out), "--bits", "3", "--calibration", str(text),
+                     "--calibration-samples", "4", "--calibration-length", "32", "--distill-steps", "3"]) == 0
+    record = json.loads((out / "config.json").read_text())["quantization_config"]["calibrated_with"]
+    assert record["distilled"]["steps"] == 3 and record["distilled"]["held_out_sequences"] == 1
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "x"), "--calibration",
                      str(tmp_path / "missing.txt")]) != 0
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "y"), "--calibration", str(text),
+                     "--distill-steps", "-2"]) != 0
+    assert not (tmp_path / "y").exists()
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])

@@ -161,6 +161,15 @@ def test_quality_section_shows_top1_agreement_and_the_calibration_source(mixed_d
     assert ("Calibrated (gptq-rotated) on `othello_gut.txt` (sha256 abababababab…): 128 sequences of 512 tokens "
             "(65,536 tokens), seed 0.") in text
     assert "no calibration data" not in text
+    distilled = dict(config["quantization_config"]["calibrated_with"], distilled={
+        "steps": 40, "train_sequences": 12, "held_out_sequences": 4, "top_tokens": 64, "held_out_kl_before": 0.19,
+        "held_out_kl_after": 0.15, "kept": True})
+    assert tq_card.calibration_text(distilled).endswith(
+        " Then 40 distillation steps tuned the group norms and the vector parameters kept in full precision to the "
+        "base model's next-token distributions on 12 of the sequences (mean KL on the other 4, over each position's "
+        "64 likeliest tokens: 0.19 before, 0.15 after).")
+    distilled["distilled"]["kept"] = False  # (undone: the card says nothing of it)
+    assert "distillation" not in tq_card.calibration_text(distilled)
     free = {"kind": "data-free", "prompts": ["", "The"], "sampling": {"temperature": 1.0, "top_p": 0.95},
             "samples": 32, "sequence_length": 512, "tokens": 16384, "seed": 0}
     assert tq_card.calibration_text(free) == (

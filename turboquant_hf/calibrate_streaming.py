@@ -95,6 +95,10 @@ class StreamingCalibration:
                                   "a dataset), or quantize with the model loaded whole")
         if config.target_bits_per_weight is not None:
             raise ConversionError(_BUDGET_REFUSAL)
+        if cal.distill_steps:
+            raise ConversionError("CalibrationConfig(distill_steps=...): distillation runs the whole model forward "
+                                  "and backward, and the streaming converter holds one block at a time; quantize "
+                                  "with the model loaded whole, or set distill_steps=0")
         self.damping, self.options = calibration.settings(cal)
         self.device = device
         model_config = AutoConfig.from_pretrained(source_dir)

@@ -495,6 +495,14 @@ def calibration_text(record: dict | None) -> str | None:
                         if k.startswith("kl_") and isinstance(v, (int, float)) and not math.isnan(v))
         text += (f" Bits per tensor allocated under the budget by the {allocation['measure']} measure"
                  f"{f' (mean KL of each candidate on the calibration data: {kls})' if kls else ''}.")
+    distilled = record.get("distilled")
+    if isinstance(distilled, dict) and distilled.get("steps") and distilled.get("kept"):
+        text += (f" Then {distilled['steps']} distillation steps tuned the group norms and the vector parameters "
+                 f"kept in full precision to the base model's next-token distributions on "
+                 f"{distilled.get('train_sequences')} of the sequences (mean KL on the other "
+                 f"{distilled.get('held_out_sequences')}, over each position's {distilled.get('top_tokens')} "
+                 f"likeliest tokens: {distilled.get('held_out_kl_before')} before, "
+                 f"{distilled.get('held_out_kl_after')} after).")
     return text
 
 

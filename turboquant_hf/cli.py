@@ -195,7 +195,7 @@ def _refuse_quantized_source(src: str) -> bool:
 
 
 def _calibration_from_args(args, cfg) -> None:
-    """--calibration / --calibration-samples / --calibration-length as `cfg.calibration`."""
+    """--calibration / --calibration-samples / --calibration-length / --distill-steps as `cfg.calibration`."""
     from .config import DATA_FREE, CalibrationConfig
 
     data = getattr(args, "calibration", None)
@@ -205,10 +205,12 @@ def _calibration_from_args(args, cfg) -> None:
         raise CliError(f"--calibration {data}: no such file (give a UTF-8 text file, or 'data-free')")
     try:
         cfg.calibration = CalibrationConfig(data=data, samples=args.calibration_samples,
-                                            sequence_length=args.calibration_length)
+                                            sequence_length=args.calibration_length,
+                                            distill_steps=getattr(args, "distill_steps", 0))
     except ValueError as e:
         raise CliError(str(e).replace("CalibrationConfig: samples", "--calibration-samples")
-                       .replace("CalibrationConfig: sequence_length", "--calibration-length")) from e
+                       .replace("CalibrationConfig: sequence_length", "--calibration-length")
+                       .replace("CalibrationConfig: distill_steps", "--distill-steps")) from e
 
 
 def cmd_quantize(args, argv) -> int:

@@ -109,6 +109,10 @@ def _quantize_parser(sub, fmt_cls) -> None:
                    help="calibration sequences (default 16)")
     c.add_argument("--calibration-length", type=int, default=512, metavar="T",
                    help="tokens per calibration sequence (default 512)")
+    c.add_argument("--distill-steps", type=int, default=0, metavar="N",
+                   help="after the rounding, N steps that tune the group norms and the vector parameters to the base "
+                        "model's next-token distributions on the calibration sequences (a quarter kept out to check "
+                        "it; undone unless they gain; default 0: none)")
     c.add_argument("--target-bits", type=float, metavar="BITS",
                    help="a budget in stored bits per quantized weight, group norms included (3-bit at G=128 is "
                         "3.25, 4-bit 4.25): the layers where 4 bits pay most, measured on the calibration data, "

@@ -51,6 +51,12 @@ class CalibrationConfig:
         seed: seeds the choice of sequences and the data-free sampling.
         tokenizer: the tokenizer for text data (default: the model's own, from the same source).
         options: further settings of the rounding, by name.
+        distill_steps: after the rounding, Adam steps that tune the group norms and the vector parameters kept in
+            full precision (norm-layer weights, biases) to the float model's next-token distributions on the
+            calibration sequences, two sequences a step (`turboquant_hf.distillation`; causal language models).
+            A quarter of the sequences is kept out to check it; the tuning is undone unless their KL divergence
+            fell. 0 (default): none. The indices stay as rounded; the checkpoint format is unchanged.
+        distill_lr: the learning rate of those steps (of the log-norms; the vectors take a tenth of it).
 
     The defaults, 16 x 512 = 8192 tokens, are practical on a CPU (quality and time by the number of sequences:
     benchmarks/QUALITY.md). The calibration's time is mostly the rounding sweep, which does not grow with the data;
@@ -65,8 +71,15 @@ class CalibrationConfig:
     seed: int = 0
     tokenizer: Any = None
     options: dict = field(default_factory=dict)
+    distill_steps: int = 0
+    distill_lr: float = 3e-3
 
     def __post_init__(self):
+        if isinstance(self.distill_steps, bool) or not isinstance(self.distill_steps, int) or self.distill_steps < 0:
+            raise ValueError(f"CalibrationConfig: distill_steps must be an integer >= 0, got {self.distill_steps!r}")
+        if isinstance(self.distill_lr, bool) or not isinstance(self.distill_lr, (int, float)) \
+                or not math.isfinite(self.distill_lr) or self.distill_lr <= 0:
+            raise ValueError(f"CalibrationConfig: distill_lr must be a finite number > 0, got {self.distill_lr!r}")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(f"CalibrationConfig: samples must be a positive integer, got {self.samples!r}")
         if isinstance(self.sequence_length, bool) or not isinstance(self.sequence_length, int) \

@@ -7,7 +7,7 @@ import re
 
 from transformers.utils import logging
 
-from . import planning
+from . import distillation, planning
 from .budget import allocate_bits
 from .calibration import calibrate_model, resolve_options, rtn_quantize
 from .calibration_data import calibration_batches, describe
@@ -32,6 +32,8 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
         logger.info("TurboQuant: bits allocated by the %s measure%s", allocation["measure"],
                     "".join(f"; mean KL on the calibration batches, {m}: {v:.4f}"
                             for m, v in allocation.get("kl", {}).items()))
+    targets = distillation.teacher_targets(model, batches) if config.calibration is not None and \
+        cal.distill_steps else None
     record = describe(cal, batches)
     if allocation is not None:
         record["bit_allocation"] = {"measure": allocation["measure"],
@@ -45,4 +47,10 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
     else:
         rtn_quantize(model, planning.from_config(model, config))
         record["method"] = "round-to-nearest"
+    if targets is not None:
+        record["distilled"] = distillation.distill(model, batches, targets, cal.distill_steps, cal.distill_lr)
+        d = record["distilled"]
+        logger.info("TurboQuant: %d distillation steps (%.1f s): KL on held-out calibration sequences %.4f -> "
+                    "%.4f, %s", d["steps"], d["seconds"], d["held_out_kl_before"], d["held_out_kl_after"],
+                    "kept" if d["kept"] else "not lower: the rounded model kept")
     config.calibrated_with = record
