@@ -55,7 +55,8 @@ class CalibrationConfig:
             full precision (norm-layer weights, biases) to the float model's next-token distributions on the
             calibration sequences, two sequences a step (`turboquant_hf.distillation`; causal language models).
             A quarter of the sequences is kept out to check it; the tuning is undone unless their KL divergence
-            fell. 0 (default): none. The indices stay as rounded; the checkpoint format is unchanged.
+            fell. It holds the tuned layers' weights unpacked while it runs (about the float model's size).
+            0 (default): none. The indices stay as rounded; the checkpoint format is unchanged.
         distill_lr: the learning rate of those steps (of the log-norms; the vectors take a tenth of it).
 
     The defaults, 16 x 512 = 8192 tokens, are practical on a CPU (quality and time by the number of sequences:

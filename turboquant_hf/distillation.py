@@ -85,11 +85,12 @@ class _TunedNorms:
 def distill(model: nn.Module, batches: list[torch.Tensor], targets: list[tuple], steps: int, lr: float,
             batch_size: int = 2) -> dict:
     """`steps` Adam steps on the log-norms of every per-group `TurboQuantLinear` (learning rate `lr`) and on every
-    vector parameter outside them (`lr * VECTOR_LR_SCALE`), `batch_size` sequences a step, cycling through the
+    vector parameter (norm weights, biases; `lr * VECTOR_LR_SCALE`), `batch_size` sequences a step, cycling through the
     calibration sequences but the last `held_out(len(batches))`. Those are kept out to check the result: when
     their mean coarse KL did not fall, every parameter goes back to its value before tuning. The tuned norms are
     written back in their own dtype. Returns what was tuned, the coarse KL of the held-out sequences before and
-    after, and whether the tuning was kept."""
+    after, and whether the tuning was kept. Memory: each tuned layer's weight is held unpacked while this runs
+    (float32 on a CPU, the model's dtype on an accelerator), besides the activations of `batch_size` sequences."""
     device = next(model.parameters()).device
     dtype = torch.float32 if device.type == "cpu" else next(model.parameters()).dtype
     n_check = held_out(len(batches))

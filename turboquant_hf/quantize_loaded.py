@@ -17,12 +17,15 @@ logger = logging.get_logger(__name__)
 
 
 def quantize_after_loading(model, config: TurboQuantConfig) -> None:
-    """Quantize a model loaded in float: bits allocated under `config.target_bits_per_weight` (when the budget
-    allocator is installed), then calibrated rounding (`config.calibration`) or round-to-nearest; the data used is
-    recorded in `config.calibrated_with`."""
+    """Quantize a model loaded in float: bits allocated under `config.target_bits_per_weight`, then calibrated
+    rounding (`config.calibration`) or round-to-nearest, then distillation (`CalibrationConfig.distill_steps`);
+    the data used and what each step did are recorded in `config.calibrated_with`."""
     cal = config.calibration if config.calibration is not None else CalibrationConfig()
     resolve_options(cal.options)  # a bad option is reported before any work
     batches = calibration_batches(cal, model)
+    distilling = config.calibration is not None and cal.distill_steps > 0
+    if distilling:
+        distillation.held_out(len(batches))  # (too few sequences: refused before any work)
     allocation = None
     if config.target_bits_per_weight is not None:
         allocation = {}
@@ -32,8 +35,7 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
         logger.info("TurboQuant: bits allocated by the %s measure%s", allocation["measure"],
                     "".join(f"; mean KL on the calibration batches, {m}: {v:.4f}"
                             for m, v in allocation.get("kl", {}).items()))
-    targets = distillation.teacher_targets(model, batches) if config.calibration is not None and \
-        cal.distill_steps else None
+    targets = distillation.teacher_targets(model, batches) if distilling else None
     record = describe(cal, batches)
     if allocation is not None:
         record["bit_allocation"] = {"measure": allocation["measure"],
