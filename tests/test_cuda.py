@@ -78,6 +78,8 @@ def test_linear_module_on_gpu_matches_cpu(bits, compact, monkeypatch):
     layer.bias.data.normal_()
     x = torch.randn(5, 300)
     ref = layer(x)
+    xb = torch.randn(100, 300).bfloat16()
+    ref_b = layer(xb.float())
     published = layer.weight.tq_packed.clone()
     gpu = layer.to("cuda")
     assert gpu.weight.tq_norms.dtype == (torch.float16 if bits == 1.58 else torch.float32)
@@ -85,6 +87,17 @@ def test_linear_module_on_gpu_matches_cpu(bits, compact, monkeypatch):
     for m in (1, 5, 17):
         out = gpu(x[:m].cuda()).cpu()
         assert torch.allclose(out, ref[:m], rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (bits, m)
+    from turboquant_hf import settings
+    from turboquant_hf.kernels import gemm
+
+    gemms = []
+    monkeypatch.setattr(gemm, "gemm", lambda *a, _f=gemm.gemm, **kw: gemms.append(1) or _f(*a, **kw))
+    for m in (40, 100):  # bfloat16 rows in the packed-weight GEMM's range (every tier's runtime layout)
+        gemms.clear()
+        out = gpu(xb[:m].cuda()).float().cpu()
+        assert rel(out, ref_b[:m]) < 2e-2, (bits, m, rel(out, ref_b[:m]))
+        if settings.gemm_min_m() is None:
+            assert bool(gemms) == (not compact), (bits, m, gemms)
     assert torch.equal(gpu.to("cpu").weight.tq_packed, published)  # back off the GPU: the published bytes
 
 
