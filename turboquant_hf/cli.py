@@ -612,7 +612,7 @@ def cmd_convert(args, argv) -> int:
     from transformers import AutoModelForCausalLM
 
     from . import TurboQuantConfig
-    from .mlx import to_tq3_native
+    from .mlx_conversion import to_tq3_native
 
     _say(args, f"loading {args.src}")
     try:

@@ -37,7 +37,7 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32")
 _NORM_PLUS_ONE_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 _NORM_PLUS_ONE_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                            ".q_norm.weight", ".k_norm.weight")
-_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def is_mlx_checkpoint(index: dict) -> bool:
@@ -211,7 +211,7 @@ class MLXLayout:
         for path in self.quantized:
             hf = self.transformers_name(path)
             parent, _, leaf = hf.rpartition(".")
-            if parent.endswith(".experts") and leaf in _EXPERT_PROJECTIONS:
+            if parent.endswith(".experts") and leaf in EXPERT_PROJECTIONS:
                 names[path] = parent + ".down_proj"  # a name the model has, renamed like its siblings
             else:
                 names[path] = hf + ".weight"
@@ -251,19 +251,19 @@ class MLXLayout:
                                                   _dtype(self.index[path + ".scales"]), HADAMARD)
         activation = activation_of(model)
         for owner_name, parts in experts_parts.items():
-            missing = [p for p in _EXPERT_PROJECTIONS if p not in parts]
+            missing = [p for p in EXPERT_PROJECTIONS if p not in parts]
             if missing:
                 some = next(iter(parts.values())).rpartition(".")[0]
                 raise CheckpointError(f"checkpoint is missing {some}.{missing[0]}.weight (needed for the quantized "
                                       f"experts {owner_name})")
-            info = {p: self.quantized[parts[p]] for p in _EXPERT_PROJECTIONS}
+            info = {p: self.quantized[parts[p]] for p in EXPERT_PROJECTIONS}
             self.expert_targets[owner_name] = parts
             plan.experts[owner_name] = ExpertsPlan(
                 (fmt.bits_for_levels(info["gate_proj"]["levels"]), fmt.bits_for_levels(info["up_proj"]["levels"])),
                 fmt.bits_for_levels(info["down_proj"]["levels"]),
-                {p: info[p]["group_size"] for p in _EXPERT_PROJECTIONS},
+                {p: info[p]["group_size"] for p in EXPERT_PROJECTIONS},
                 activation,
-                tuple(_dtype(self.index[parts[p] + ".scales"]) for p in _EXPERT_PROJECTIONS),
+                tuple(_dtype(self.index[parts[p] + ".scales"]) for p in EXPERT_PROJECTIONS),
                 HADAMARD,
             )
 
@@ -363,78 +363,3 @@ def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
             current.data = new
     else:
         owner._buffers[attr] = new
-
-
-def _native_group_size(group_size: int) -> int:
-    return group_size if group_size in fmt.GROUP_SIZES else fmt.GROUP_SIZES[0]
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(||a - b||^2, ||b||^2) in float64."""
-    return float((a.double() - b.double()).pow(2).sum()), float(b.double().pow(2).sum())
-
-
-def to_tq3_native(model: nn.Module, group_size: int | None = None) -> dict:
-    """Requantize every whole-row-Hadamard module of `model` (loaded from a turboquant-mlx checkpoint) into the
-    tq3_native layout, in place, keeping each module's tier (ternary, 2, 3 or 4 bits). Lossy: each effective
-    weight is quantized again. Returns the measured error added, per layer and overall
-    (`||W_native - W_mlx|| / ||W_mlx||`).
-
-    `group_size`: tq3_native's G (64, 128, 256); default: each module's own when valid, else 64."""
-    from collections import Counter
-
-    from . import codec
-    from .config import TurboQuantConfig
-    from .modules import TurboQuantExperts, TurboQuantLinear
-
-    if group_size is not None:
-        fmt.check_group_size(group_size)
-    layers, total_err, total_ref = [], 0.0, 0.0
-    tiers = Counter()
-
-    def requantize(name, source: torch.Tensor, bits, g):
-        nonlocal total_err, total_ref
-        packed, norms = codec.quantize_weight(source, bits, g, name=name)
-        native = codec.dequantize_weight(packed, norms, source.shape[-1], g).view(source.shape)
-        err, ref = _relative(native, source)
-        total_err, total_ref = total_err + err, total_ref + ref
-        layers.append({"name": name, "bits": bits, "group_size": g,
-                       "relative_error": math.sqrt(err / ref) if ref else 0.0})
-        tiers[bits, g] += source.numel()
-        return packed, norms
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, TurboQuantLinear) and module.weight.rotation == "hadamard":
-            w = module.weight
-            g = group_size or _native_group_size(w.group_size)
-            bias = module.bias
-            new = TurboQuantLinear(module.in_features, module.out_features, bias=bias is not None, bits=w.bits,
-                                   group_size=g, dtype=bias.dtype if bias is not None else torch.float32,
-                                   device=w.device)
-            if bias is not None:
-                new.bias = bias
-            new.weight.load_packed_(*requantize(name + ".weight", w.dequantize(), w.bits, g))
-            model.set_submodule(name, new)
-        elif isinstance(module, TurboQuantExperts) and module.rotation == "hadamard":
-            parts = {leaf: getattr(module, leaf) for leaf in _EXPERT_PROJECTIONS}
-            e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
-            g = group_size or _native_group_size(parts["gate_proj"].group_size)
-            gate_up = torch.cat([parts["gate_proj"].dequantize().view(e, i, h),
-                                 parts["up_proj"].dequantize().view(e, i, h)], dim=1)
-            # tq3_native fuses gate and up into one tensor of one tier: the finer of the two
-            gu_bits = max(parts["gate_proj"].bits, parts["up_proj"].bits)
-            down_bits = parts["down_proj"].bits
-            new = TurboQuantExperts(e, h, i, gu_bits, down_bits, g, module.activation, device=parts["down_proj"].device)
-            new.gate_up_proj.load_packed_(*requantize(name + ".gate_up_proj", gate_up, gu_bits, g))
-            new.down_proj.load_packed_(*requantize(name + ".down_proj", parts["down_proj"].dequantize().view(e, h, i),
-                                                   down_bits, g))
-            model.set_submodule(name, new)
-    if not layers:
-        raise ValueError("the model holds no whole-row-Hadamard (turboquant-mlx) modules to convert")
-    (bits, g), _ = tiers.most_common(1)[0]
-    cfg = TurboQuantConfig(bits=bits, group_size=g)
-    model.config.quantization_config = cfg
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.quantization_config = cfg
-    return {"layers": layers, "relative_error": math.sqrt(total_err / total_ref) if total_ref else 0.0,
-            "max_relative_error": max(x["relative_error"] for x in layers)}
