@@ -10,7 +10,7 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import codec
 from . import format as fmt
-from . import mlx, offload, patches, planning, quantize_loaded, saving, settings, tensor_parallel
+from . import mlx, offload, patches, planning, saving, settings, tensor_parallel
 from .config import TurboQuantConfig
 from .fusion import fuse_projections
 from .modules import TurboQuantWeight, to_norms_dtype
@@ -191,7 +191,9 @@ class TurboQuantHfQuantizer(HfQuantizer):
                     "parallelism (tp_plan) does not support: quantize in one process, save_pretrained, and load the "
                     "saved checkpoint with tp_plan"
                 )
-            quantize_loaded.quantize_after_loading(model, self.quantization_config)
+            from .quantize_loaded import quantize_after_loading  # (calibration and budgets: loaded when used)
+
+            quantize_after_loading(model, self.quantization_config)
         tensor_parallel.load_shards(model, self.checkpoint_index)
         offloaded = offload.disk_offloaded_modules(model)
         offload.onload_weights_with_owner(model)
