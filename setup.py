@@ -61,7 +61,7 @@ setup(
         "turboquant_hf.kernels": "kernels",
         "turboquant_hf.model_cards": "model_cards",
     },
-    package_data={"turboquant_hf.model_cards": ["*.jinja"]},
+    package_data={"turboquant_hf": ["cpu_kernel.c"], "turboquant_hf.model_cards": ["*.jinja"]},
     cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},
     install_requires=[
         "torch>=2.4",

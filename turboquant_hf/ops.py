@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import codec, layout, rotation
+from . import codec, cpu_kernel, layout, rotation
 from .activations import ACTIVATIONS, check_activation, gated
 from .routing import expert_groups, routed_groups, sort_routing  # noqa: F401  (re-exported: ops.expert_groups)
 
@@ -70,11 +70,16 @@ def _weight_blocks(packed, norms, codebook, group_size: int, reuse_buffer: bool 
 def codebook_matmul(
     x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """`(M, n_groups*G)` rotated activations times the packed weight: `(M, rows)` float32."""
+    """`(M, n_groups*G)` rotated activations times the packed weight: `(M, rows)` float32 (on CPU, for a few rows
+    and no autograd graph to record, the compiled kernel where it serves: `cpu_kernel.linear`)."""
+    differentiable = x_rot.requires_grad and torch.is_grad_enabled()
+    if not differentiable:
+        y = cpu_kernel.linear(x_rot, packed, norms, codebook, group_size)
+        if y is not None:
+            return y
     # (on CPU each block is built in a reused per-thread buffer: see `codec.decode_scratch`; not where autograd
     # would keep the block for a backward pass)
-    reuse = x_rot.device.type == "cpu" and not torch.compiler.is_compiling() and not (
-        x_rot.requires_grad and torch.is_grad_enabled())
+    reuse = x_rot.device.type == "cpu" and not torch.compiler.is_compiling() and not differentiable
     parts = [(x_rot @ w.T).to(torch.float32)
              for _, _, w in _weight_blocks(packed, norms, codebook, group_size, reuse_buffer=reuse)]
     if len(parts) == 1:
@@ -96,8 +101,10 @@ def turboquant_linear(
     """`x[..., in_features] @ W.T` -> `[..., rows]` in x's dtype (float32 accumulation)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
-    x_rot = rotate_activations(x2, signs1.float(), signs2.float(), group_size)
-    y = codebook_matmul(x_rot, packed, norms.float(), codebook.float(), group_size)
+    y = cpu_kernel.linear(x2, packed, norms, codebook, group_size, (signs1, signs2), in_features)
+    if y is None:
+        x_rot = rotate_activations(x2, signs1.float(), signs2.float(), group_size)
+        y = codebook_matmul(x_rot, packed, norms.float(), codebook.float(), group_size)
     return y.to(x.dtype).reshape(*lead, norms.shape[0])
 
 

@@ -9,6 +9,7 @@ process or a test can change it between calls).
 | `TURBOQUANT_FAST_LAUNCH` | 1 | the kernels' own launcher instead of Triton's (read at import) |
 | `TURBOQUANT_PDL` | 1 | programmatic dependent launch of the pair GEMV |
 | `TURBOQUANT_MOE_SCRATCH_MB` | 1024 | MiB of scratch for decoded routed experts at prefill |
+| `TURBOQUANT_CPU_KERNEL` | 1 | CPU products of up to 16 rows run the compiled kernel (`cpu_kernel`); 0: the torch reference |
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def compact_ternary() -> bool:
 
 def fuse_projections() -> bool:
     return _flag("TURBOQUANT_FUSE", True)
+
+
+def cpu_kernel() -> bool:
+    return _flag("TURBOQUANT_CPU_KERNEL", True)
 
 
 def triton_disabled() -> bool:

@@ -1,0 +1,200 @@
+"""The CPU product of `turboquant::linear` for a few activation rows: packed weights decoded a few rows at a time.
+
+`cpu_kernel.c` (beside this file) multiplies up to `MAX_ROWS` activation rows by a packed weight in the published
+layout without building the weight: each thread decodes a few weight rows at a time, as `codebook[idx] * norm` in
+float32 exactly as the reference does (`decode` returns them, for tests), into registers or a buffer of its own in
+the caches, and takes their dot products with the activation rows there; the activations are rotated per group in
+the same call. Nothing is stored beside the module: the kernel reads `tq_packed` and `tq_norms` as they are. More
+rows (a prompt's prefill), the GPU runtime layout, and products that autograd differentiates through
+(`ops.codebook_matmul` in the MoE op's backward) take the reference.
+
+It is compiled on first use with the machine's C compiler (`$CC`, else `cc`, `gcc` or `clang`; `-O3
+-march=native`, with OpenMP where the compiler has it) into `~/.cache/turboquant-hf/cpu-kernel` (or
+`$XDG_CACHE_HOME/turboquant-hf/cpu-kernel`), keyed by the source, the compiler, the flags and the machine, and
+loaded through ctypes: no Python or torch header, about a second. Where no compiler is found or the build fails,
+`linear` returns None and the op runs the reference (`status()` says why); `TURBOQUANT_CPU_KERNEL=0` turns it
+off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+from . import settings
+
+# Most activation rows the kernel serves; more rows (a prompt's prefill) take the reference's matrix product.
+MAX_ROWS = 16
+# Weights (times activation rows) per thread below which a product runs on fewer of torch's threads: waking a thread
+# costs more than it saves on a smaller product.
+MIN_WORK_PER_THREAD = 1 << 20
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.c")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the compiler flags tried in turn (the first that builds is kept), and those of every build
+_FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
+_FLAGS = ("-std=gnu11", "-ffp-contract=off", "-fPIC", "-shared")
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": the loaded library or None, "reason": why there is none, "path": the built file
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "turboquant-hf", "cpu-kernel")
+
+
+def build(defines: tuple[str, ...] = ()) -> tuple[str | None, str]:
+    """Compile `cpu_kernel.c` (with `-D` for each of `defines`) unless a build of the same source, compiler and
+    machine is cached; returns (path of the shared library, "") or (None, why not)."""
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (set CC, or install cc, gcc or clang)"
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cc} --version failed: {e}"
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), version, platform.machine().encode(),
+                                      platform.processor().encode(), repr((_FLAG_SETS, _FLAGS)).encode(),
+                                      *(d.encode() for d in defines)])).hexdigest()[:16]
+    errors = []
+    for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"turboquant-hf-{os.getuid()}")):
+        path = os.path.join(folder, f"tq_cpu_{key}.so")
+        if os.path.exists(path):
+            return path, ""
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            errors.append(f"{folder}: {e}")
+            continue
+        for flags in _FLAG_SETS:
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+            cmd = [cc, *flags, *_FLAGS, *(f"-D{d}" for d in defines), SOURCE, "-o", tmp]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+            except (OSError, subprocess.SubprocessError) as e:
+                done, err = None, str(e)
+            if done is not None and done.returncode == 0:
+                os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same file
+                return path, ""
+            os.unlink(tmp)
+            errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:] if done is not None else err}")
+    return None, "building the CPU kernel failed: " + "; ".join(errors)
+
+
+def load(path: str):
+    """The shared library at `path` with its functions' argument types set."""
+    lib = ctypes.CDLL(path)
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.tq_linear.argtypes = [p, i, i, i, i, p, p, p, p, i, p, i, ll, i, i, i, p, i, i]
+    lib.tq_linear.restype = i
+    lib.tq_decode.argtypes = [p, p, i, p, i, ll, ll, i, i, i, p]
+    lib.tq_decode.restype = i
+    lib.tq_has_avx2.restype = i
+    return lib
+
+
+def library():
+    """The compiled kernel (built on the first call), or None where it cannot be built or is turned off."""
+    if not settings.cpu_kernel():
+        return None
+    lib = _state.get("lib", False)
+    if lib is not False:
+        return lib
+    with _lock:
+        if "lib" not in _state:
+            path, reason = build()
+            try:
+                _state["lib"] = load(path) if path else None
+            except OSError as e:
+                _state["lib"], reason = None, f"loading {path} failed: {e}"
+            _state["reason"], _state["path"] = reason, path
+    return _state["lib"]
+
+
+def status() -> str:
+    """What `linear` runs on: the compiled kernel (its file) or the reference (and why)."""
+    if not settings.cpu_kernel():
+        return "reference (TURBOQUANT_CPU_KERNEL=0)"
+    if library() is None:
+        return f"reference ({_state['reason']})"
+    isa = "AVX2" if _state["lib"].tq_has_avx2() else "portable C"
+    return f"compiled kernel ({isa}, {_state['path']})"
+
+
+def serves(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor) -> bool:
+    """Whether the kernel takes this product: CPU tensors, 1 to `MAX_ROWS` activation rows, published uint8
+    bytes, float32/bfloat16/float16 activations and norms, a codebook of 3, 4, 8 or 16 entries, outside a trace.
+    (It records no autograd graph: callers that differentiate through the product use the reference.)"""
+    return (x.device.type == "cpu" and packed.dtype == torch.uint8 and 0 < x.shape[0] <= MAX_ROWS
+            and x.dtype in _DTYPES and norms.dtype in _DTYPES and codebook.numel() in (3, 4, 8, 16)
+            and packed.device.type == "cpu" and norms.device.type == "cpu" and not torch.compiler.is_compiling())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
+           signs: tuple[torch.Tensor, torch.Tensor] | None = None, in_features: int | None = None, lib=None):
+    """`(M, rows)` product of the packed weight and `x` (bfloat16 for bfloat16 `x`, rounded from the float32 result,
+    else float32), or None where the kernel does not serve it.
+
+    With `signs` (D1, D2), `x` is `(M, in_features)` activations (float32, bfloat16 or float16), rotated per
+    group here; without, `x` is `(M, n_groups*G)` float32 activations already rotated. `lib`: a library from
+    `load`, by default `library()`."""
+    if not serves(x, packed, norms, codebook):
+        return None
+    lib = lib or library()
+    if lib is None:
+        return None
+    rows, n_groups = norms.shape
+    m = x.shape[0]
+    x = x.contiguous()
+    packed, norms = packed.contiguous(), norms.contiguous()
+    cb = codebook.to(torch.float32).contiguous()
+    if signs is None:
+        s1 = s2 = None
+        in_features = n_groups * group_size
+        if x.dtype != torch.float32 or x.shape[1] != in_features:
+            return None
+    else:
+        if group_size & (group_size - 1):
+            return None
+        s1, s2 = (s.to(torch.float32).contiguous() for s in signs)
+    out = torch.empty(m, rows, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+    threads = max(1, min(torch.get_num_threads(), m * rows * n_groups * group_size // MIN_WORK_PER_THREAD))
+    rc = lib.tq_linear(x.data_ptr(), _DTYPES[x.dtype], m, in_features, signs is None,
+                       None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr(),
+                       packed.data_ptr(), norms.data_ptr(), _DTYPES[norms.dtype], cb.data_ptr(), cb.numel(),
+                       rows, n_groups, group_size, packed.shape[1], out.data_ptr(), _DTYPES[out.dtype], threads)
+    if rc:
+        raise MemoryError("the CPU kernel could not allocate its buffers")
+    return out
+
+
+def decode(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int, lib=None):
+    """The weight in the rotated basis `(rows, n_groups*G)` float32, as the kernel decodes it (`lib`: a library
+    from `load`, by default `library()`)."""
+    lib = lib or library()
+    rows, n_groups = norms.shape
+    packed, norms = packed.contiguous(), norms.contiguous()
+    cb = codebook.to(torch.float32).contiguous()
+    out = torch.empty(rows, n_groups * group_size, dtype=torch.float32)
+    if rows and lib.tq_decode(packed.data_ptr(), norms.data_ptr(), _DTYPES[norms.dtype], cb.data_ptr(), cb.numel(),
+                              0, rows, n_groups, group_size, packed.shape[1], out.data_ptr()):
+        raise MemoryError("the CPU kernel could not allocate its buffers")
+    return out
