@@ -347,7 +347,70 @@ def test_distillation_settings_named(tiny_llama_dir):
         _distilled(tiny_llama_dir, 3, _batches(1), 5)
 
 
-def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path):
+def _block_tuned(directory, bits, batches, steps, lr=1e-2):
+    cal = CalibrationConfig(data=batches, samples=len(batches), sequence_length=batches[0].shape[1],
+                            block_steps=steps, block_lr=lr)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, quantization_config=TurboQuantConfig(
+        bits=bits, calibration=cal)).eval()
+
+
+def test_block_tuning_lowers_the_block_errors_and_the_kl(tiny_llama_dir, tmp_path):
+    """Each block's norms and vector parameters tuned after its rounding to the float block's outputs: the recorded
+    error of the block outputs falls, the model's KL to the float model on the calibration text falls, the first
+    block's indices stay the rounded ones, the norms keep their dtype, and the checkpoint reloads with the same logits and record."""
+    from turboquant_hf.evaluation import compare_on_text
+
+    seq = _batches(1, 64, seed=3)[0]
+    rounded = _block_tuned(tiny_llama_dir, 2, [seq] * 4, 0)
+    tuned = _block_tuned(tiny_llama_dir, 2, [seq] * 4, 30)
+    assert "block_tuned" not in rounded.config.quantization_config.calibrated_with
+    record = tuned.config.quantization_config.calibrated_with["block_tuned"]
+    assert record["blocks"] == tuned.config.num_hidden_layers and record["kept"] >= 1, record
+    assert record["held_out_sequences"] == 1 and record["steps"] == 30
+    assert record["error_after"] < 0.9 * record["error_before"], record
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    kl = {name: compare_on_text(base, m, seq[0], window=63).mean_kl
+          for name, m in (("rounded", rounded), ("tuned", tuned))}
+    assert kl["tuned"] < 0.9 * kl["rounded"], kl
+    before, after = _norms(rounded), _norms(tuned)
+    assert all(after[n].dtype == before[n].dtype for n in before)
+    assert sum(not torch.equal(after[n], before[n]) for n in before) > 0
+    # the first block is rounded before any tuning: its indices are the rounded ones (the later blocks' rounding
+    # sees the tuned blocks' outputs, as it should)
+    for n, m in rounded.model.layers[0].named_modules():
+        if isinstance(m, TurboQuantLinear):
+            assert torch.equal(m.weight.tq_packed, tuned.model.layers[0].get_submodule(n).weight.tq_packed), n
+    assert any(not torch.equal(tuned.model.layers[i].input_layernorm.weight, rounded.model.layers[i].input_layernorm.weight)
+               for i in range(tuned.config.num_hidden_layers))
+    logits = tuned(seq).logits
+    tuned.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert torch.equal(again(seq).logits, logits)
+    assert again.config.quantization_config.calibrated_with["block_tuned"] == record
+    card = (tmp_path / "README.md").read_text()
+    assert (f"After each decoder block's rounding, 30 steps tuned its group norms and vector parameters to the "
+            f"base model's block outputs ({record['kept']} of {record['blocks']} blocks kept the tuning") in card
+
+
+def test_block_tuning_undone_where_the_checking_sequences_lose(tiny_llama_dir):
+    """A learning rate far too large makes every block's error on its checking sequence rise: each block's tuning
+    is undone, and the model is the rounded one bit for bit."""
+    batches = _batches(4, 64, seed=0)
+    rounded = _block_tuned(tiny_llama_dir, 3, batches, 0)
+    tuned = _block_tuned(tiny_llama_dir, 3, batches, 6, lr=50.0)
+    record = tuned.config.quantization_config.calibrated_with["block_tuned"]
+    assert record["kept"] == 0 and record["error_after"] == record["error_before"], record
+    assert all(torch.equal(p, q) for p, q in zip(rounded.parameters(), tuned.parameters()))
+
+
+def test_block_tuning_settings_named():
+    for kwargs, message in (({"block_steps": -1}, "block_steps"), ({"block_steps": True}, "block_steps"),
+                            ({"block_lr": 0}, "block_lr"), ({"block_lr": float("inf")}, "block_lr")):
+        with pytest.raises(ValueError, match=message):
+            CalibrationConfig(data=_batches(), **kwargs)
+
+
+def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path, capsys):
     import json
 
     from turboquant_hf import cli
@@ -362,13 +425,19 @@ def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path):
     assert record["samples"] == 4 and record["sequence_length"] == 32 and "distilled" not in record
     out = tmp_path / "distilled"
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(out), "--bits", "3", "--calibration", str(text),
-                     "--calibration-samples", "4", "--calibration-length", "32", "--distill-steps", "3"]) == 0
+                     "--calibration-samples", "4", "--calibration-length", "32", "--distill-steps", "3",
+                     "--block-steps", "2"]) == 0
     record = json.loads((out / "config.json").read_text())["quantization_config"]["calibrated_with"]
     assert record["distilled"]["steps"] == 3 and record["distilled"]["held_out_sequences"] == 1
+    assert record["block_tuned"]["steps"] == 2 and record["block_tuned"]["blocks"] == 2
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "x"), "--calibration",
                      str(tmp_path / "missing.txt")]) != 0
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "y"), "--calibration", str(text),
                      "--distill-steps", "-2"]) != 0
+    assert "--distill-steps" in capsys.readouterr().err
+    assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "y"), "--calibration", str(text),
+                     "--block-steps", "-1"]) != 0
+    assert "--block-steps" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
 
 

@@ -140,15 +140,17 @@ def test_reference_qwen3_5_moe_checkpoint(tmp_path):
 
 
 def test_distilled_checkpoint_dequantizes_alike_in_the_reference_package(tiny_llama_dir, tmp_path):
-    """A checkpoint whose norms and vector parameters were tuned by distillation is an ordinary tq3_native one: the
-    reference package's dequantization of its tensors gives the logits of our load of it."""
+    """A checkpoint whose norms and vector parameters were tuned block by block and then by distillation is an
+    ordinary tq3_native one: the reference package's dequantization of its tensors gives the logits of our load of
+    it."""
     from turboquant_hf import CalibrationConfig
 
     seq = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(3))
-    cal = CalibrationConfig(data=[seq] * 4, samples=4, sequence_length=64, distill_steps=20)
+    cal = CalibrationConfig(data=[seq] * 4, samples=4, sequence_length=64, distill_steps=20, block_steps=20)
     tuned = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32,
                                                  quantization_config=TurboQuantConfig(bits=3, calibration=cal))
-    assert tuned.config.quantization_config.calibrated_with["distilled"]["kept"]
+    record = tuned.config.quantization_config.calibrated_with
+    assert record["distilled"]["kept"] and record["block_tuned"]["kept"] == 2
     tuned.save_pretrained(tmp_path)
     ours = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     reference = _reference_dequantized_model(str(tmp_path), 128)

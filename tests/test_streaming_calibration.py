@@ -109,6 +109,9 @@ def test_refusals_before_any_work(tiny_llama_dir, tmp_path, capsys):
         _convert(tiny_llama_dir, tmp_path / "b", TurboQuantConfig(bits=3, target_bits_per_weight=3.5))
     with pytest.raises(ConversionError, match="target_bits_per_weight"):
         _convert(tiny_llama_dir, tmp_path / "c", _config(target_bits_per_weight=3.5))
+    with pytest.raises(ConversionError, match="block_steps"):
+        _convert(tiny_llama_dir, tmp_path / "tuned", TurboQuantConfig(bits=3, calibration=CalibrationConfig(
+            data=_config().calibration.data, block_steps=4)))
     with pytest.raises(ConversionError, match="distill_steps"):
         _convert(tiny_llama_dir, tmp_path / "f", TurboQuantConfig(bits=3, calibration=CalibrationConfig(
             data=_config().calibration.data, distill_steps=4)))

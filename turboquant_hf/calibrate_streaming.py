@@ -99,6 +99,10 @@ class StreamingCalibration:
             raise ConversionError("CalibrationConfig(distill_steps=...): distillation runs the whole model forward "
                                   "and backward, and the streaming converter holds one block at a time; quantize "
                                   "with the model loaded whole, or set distill_steps=0")
+        if cal.block_steps:
+            raise ConversionError("CalibrationConfig(block_steps=...): the block-wise tuning changes the blocks' "
+                                  "vector parameters, which the streaming converter copies from the source; quantize "
+                                  "with the model loaded whole, or set block_steps=0")
         self.damping, self.options = calibration.settings(cal)
         self.device = device
         model_config = AutoConfig.from_pretrained(source_dir)

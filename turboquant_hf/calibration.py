@@ -29,7 +29,7 @@ import time
 import torch
 from torch import nn
 
-from . import codec, planning
+from . import codec, distillation, planning
 from .activations import gated
 from .experts_layout import EXPERT_BLOCKS, published
 from .gptq import ROUNDING_OPTIONS, gptq_rotated
@@ -333,6 +333,9 @@ def calibrate_model(model: nn.Module, config, batches, progress=None) -> dict:
     if not batches:
         raise ValueError("calibration needs at least one batch of token ids")
     damping, options = settings(config.calibration)
+    cal = config.calibration
+    block_steps, block_lr = (cal.block_steps, cal.block_lr) if cal is not None else (0, 0.0)
+    tuning: list = []
     start = time.perf_counter()
     plan = planning.from_config(model, config)
     found = find_block_stack(model, plan)
@@ -342,12 +345,28 @@ def calibrate_model(model: nn.Module, config, batches, progress=None) -> dict:
     if found is not None:
         stack_name, blocks = found
         hidden, calls = capture_block_inputs(model, blocks, batches)
-        blocks_done = calibrate_blocks(model, plan, stack_name, hidden, calls, damping, options, progress=progress)
+        blocks_done = calibrate_blocks(model, plan, stack_name, hidden, calls, damping, options, progress=progress,
+                                       block_steps=block_steps, block_lr=block_lr, tuning=tuning)
         del hidden, calls
     rtn_quantize(model, plan)  # planned modules outside the stack
     model.train(was_training)
-    return {"method": METHOD, "blocks": blocks_done, "seconds": time.perf_counter() - start, **record_settings(
-        config.calibration)}
+    summary = {"method": METHOD, "blocks": blocks_done, "seconds": time.perf_counter() - start,
+               **record_settings(config.calibration)}
+    if block_steps > 0:
+        summary["block_tuned"] = tuning_record(tuning, block_steps, block_lr, len(batches))
+    return summary
+
+
+def tuning_record(tuning: list, steps: int, lr: float, n_batches: int) -> dict:
+    """What `calibrated_with["block_tuned"]` records of the block-wise tuning: its settings, the blocks tuned and
+    kept, the mean relative squared error of the blocks' outputs on the checking sequences before and after (a
+    block whose tuning was undone counts with its error before)."""
+    kept = [t for t in tuning if t["kept"]]
+    n = max(len(tuning), 1)
+    return {"parameters": "group norms and vector parameters", "steps": steps, "lr": lr, "blocks": len(tuning),
+            "kept": len(kept), "held_out_sequences": distillation.held_out(n_batches) if n_batches > 1 else 0,
+            "error_before": round(sum(t["error_before"] for t in tuning) / n, 6),
+            "error_after": round(sum(t["error_after"] if t["kept"] else t["error_before"] for t in tuning) / n, 6)}
 
 
 def settings(cal) -> tuple[float, dict]:
@@ -362,17 +381,25 @@ def record_settings(cal) -> dict:
 
 
 def calibrate_blocks(model: nn.Module, plan: planning.Plan, stack_name: str, hidden: list, calls: list,
-                     damping: float, options: dict, onload=None, offload=None, progress=None) -> int:
+                     damping: float, options: dict, onload=None, offload=None, progress=None,
+                     block_steps: int = 0, block_lr: float = 1e-2, tuning: list | None = None) -> int:
     """The pass over the block stack that both drivers share (`calibrate_model`, and the streaming converter's,
     which holds one block's weights at a time). For each block the forward ran once per batch, in order:
     `onload(i, block)` (the streaming driver loads the block's weights), `calibrate_block`, the block run again on
     its quantized weights to give the next block its inputs, `offload(i, block, results)` (the streaming driver
     writes the results and frees the block), `progress(i + 1, n)`. `hidden`: the first block's inputs per batch,
     `calls`: each block's recorded calls (`capture_block_inputs`). The modules done are removed from `plan`;
-    returns the number of blocks done."""
+    returns the number of blocks done.
+
+    `block_steps` > 0: each block's group norms and vector parameters are tuned after its rounding
+    (`distillation.tune_block`, learning rate `block_lr`) to the float block's outputs on the float model's hidden
+    states, which this pass then carries beside the quantized model's (the float block runs once per batch before
+    the rounding); each block's record is appended to `tuning`, and the results handed to `offload` hold the tuned
+    norms."""
     blocks = model.get_submodule(stack_name)
     n_batches = len(hidden)
     done = 0
+    hidden_float = list(hidden) if block_steps > 0 else None
     for i, block in enumerate(blocks):
         if len(calls[i]) != n_batches:  # a block the forward does not run (its modules: round-to-nearest)
             break
@@ -381,12 +408,24 @@ def calibrate_blocks(model: nn.Module, plan: planning.Plan, stack_name: str, hid
         prefix = f"{stack_name}.{i}."
         linears = {n: p for n, p in plan.linears.items() if n.startswith(prefix)}
         experts = {n: p for n, p in plan.experts.items() if n.startswith(prefix)}
+        if hidden_float is not None:
+            with torch.no_grad():
+                targets = [_run_block(block, hs, call) for hs, call in zip(hidden_float, calls[i])]
         results = calibrate_block(model, block, hidden, calls[i], linears, experts, damping, options)
         for n in list(linears) + list(experts):
             plan.linears.pop(n, None)
             plan.experts.pop(n, None)
+        if hidden_float is not None:
+            start = time.perf_counter()
+            record = distillation.tune_block(block, hidden, calls[i], targets, _run_block, block_steps, block_lr)
+            for name in linears:
+                results[name] = (results[name][0], model.get_submodule(name).weight.tq_norms.float().clone())
+            if tuning is not None:
+                tuning.append({**record, "seconds": time.perf_counter() - start})
+            hidden_float = targets
         if i + 1 < len(blocks) and len(calls[i + 1]) == n_batches:
-            hidden = [_run_block(block, hs, call) for hs, call in zip(hidden, calls[i])]
+            with torch.no_grad():
+                hidden = [_run_block(block, hs, call) for hs, call in zip(hidden, calls[i])]
         if offload is not None:
             offload(i, block, results)
         done += 1

@@ -495,6 +495,13 @@ def calibration_text(record: dict | None) -> str | None:
                         if k.startswith("kl_") and isinstance(v, (int, float)) and not math.isnan(v))
         text += (f" Bits per tensor allocated under the budget by the {allocation['measure']} measure"
                  f"{f' (mean KL of each candidate on the calibration data: {kls})' if kls else ''}.")
+    tuned = record.get("block_tuned")
+    if isinstance(tuned, dict) and tuned.get("steps") and tuned.get("kept"):
+        text += (f" After each decoder block's rounding, {tuned['steps']} steps tuned its group norms and vector "
+                 f"parameters to the base model's block outputs ({tuned['kept']} of {tuned.get('blocks')} blocks "
+                 f"kept the tuning; mean relative squared error of the block outputs on "
+                 f"{tuned.get('held_out_sequences') or 'the'} checking sequences: {tuned.get('error_before')} "
+                 f"before, {tuned.get('error_after')} after).")
     distilled = record.get("distilled")
     if isinstance(distilled, dict) and distilled.get("steps") and distilled.get("kept"):
         text += (f" Then {distilled['steps']} distillation steps tuned the group norms and the vector parameters "

@@ -195,7 +195,8 @@ def _refuse_quantized_source(src: str) -> bool:
 
 
 def _calibration_from_args(args, cfg) -> None:
-    """--calibration / --calibration-samples / --calibration-length / --distill-steps as `cfg.calibration`."""
+    """--calibration / --calibration-samples / --calibration-length / --distill-steps / --block-steps as
+    `cfg.calibration`."""
     from .config import DATA_FREE, CalibrationConfig
 
     data = getattr(args, "calibration", None)
@@ -206,11 +207,13 @@ def _calibration_from_args(args, cfg) -> None:
     try:
         cfg.calibration = CalibrationConfig(data=data, samples=args.calibration_samples,
                                             sequence_length=args.calibration_length,
-                                            distill_steps=getattr(args, "distill_steps", 0))
+                                            distill_steps=getattr(args, "distill_steps", 0),
+                                            block_steps=getattr(args, "block_steps", 0))
     except ValueError as e:
         raise CliError(str(e).replace("CalibrationConfig: samples", "--calibration-samples")
                        .replace("CalibrationConfig: sequence_length", "--calibration-length")
-                       .replace("CalibrationConfig: distill_steps", "--distill-steps")) from e
+                       .replace("CalibrationConfig: distill_steps", "--distill-steps")
+                       .replace("CalibrationConfig: block_steps", "--block-steps")) from e
 
 
 def cmd_quantize(args, argv) -> int:

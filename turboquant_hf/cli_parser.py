@@ -113,6 +113,10 @@ def _quantize_parser(sub, fmt_cls) -> None:
                    help="after the rounding, N steps that tune the group norms and the vector parameters to the base "
                         "model's next-token distributions on the calibration sequences (a quarter kept out to check "
                         "it; undone unless they gain; default 0: none)")
+    c.add_argument("--block-steps", type=int, default=0, metavar="N",
+                   help="after each decoder block's rounding, N steps that tune its group norms and vector parameters "
+                        "to the base model's block outputs on the calibration sequences (a quarter kept out to check "
+                        "each block; default 0: none)")
     c.add_argument("--target-bits", type=float, metavar="BITS",
                    help="a budget in stored bits per quantized weight, group norms included (3-bit at G=128 is "
                         "3.25, 4-bit 4.25): the layers where 4 bits pay most, measured on the calibration data, "

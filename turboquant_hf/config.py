@@ -58,6 +58,12 @@ class CalibrationConfig:
             fell. It holds the tuned layers' weights unpacked while it runs (about the float model's size).
             0 (default): none. The indices stay as rounded; the checkpoint format is unchanged.
         distill_lr: the learning rate of those steps (of the log-norms; the vectors take a tenth of it).
+        block_steps: Adam steps, per decoder block and right after its rounding, that tune the block's group norms
+            and vector parameters to the float block's outputs on the float model's hidden states, one sequence a
+            step (`distillation.tune_block`); a quarter of the sequences checks each block, whose tuning is undone
+            unless their error fell. The calibration then holds the float model's hidden states beside the
+            quantized model's (one block's worth of activations more). 0 (default): none.
+        block_lr: the learning rate of those steps (of the log-norms; the vectors take a tenth of it).
 
     The defaults, 16 x 512 = 8192 tokens, are practical on a CPU (quality and time by the number of sequences:
     benchmarks/QUALITY.md). The calibration's time is mostly the rounding sweep, which does not grow with the data;
@@ -74,13 +80,19 @@ class CalibrationConfig:
     options: dict = field(default_factory=dict)
     distill_steps: int = 0
     distill_lr: float = 3e-3
+    block_steps: int = 0
+    block_lr: float = 1e-2
 
     def __post_init__(self):
-        if isinstance(self.distill_steps, bool) or not isinstance(self.distill_steps, int) or self.distill_steps < 0:
-            raise ValueError(f"CalibrationConfig: distill_steps must be an integer >= 0, got {self.distill_steps!r}")
-        if isinstance(self.distill_lr, bool) or not isinstance(self.distill_lr, (int, float)) \
-                or not math.isfinite(self.distill_lr) or self.distill_lr <= 0:
-            raise ValueError(f"CalibrationConfig: distill_lr must be a finite number > 0, got {self.distill_lr!r}")
+        for name in ("distill_steps", "block_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"CalibrationConfig: {name} must be an integer >= 0, got {value!r}")
+        for name in ("distill_lr", "block_lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"CalibrationConfig: {name} must be a finite number > 0, got {value!r}")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(f"CalibrationConfig: samples must be a positive integer, got {self.samples!r}")
         if isinstance(self.sequence_length, bool) or not isinstance(self.sequence_length, int) \

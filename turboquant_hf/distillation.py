@@ -1,8 +1,11 @@
-"""Tuning a quantized model's continuous parameters to its float model's next-token distributions, indices fixed.
+"""Tuning a quantized model's continuous parameters to its float model, indices fixed: block by block to the float
+blocks' outputs, and end to end to the float model's next-token distributions.
 
-A tq3_native checkpoint stays valid whatever its norms are, so after the rounding pass the group norms of every
+A tq3_native checkpoint stays valid whatever its norms are, so after the rounding the group norms of every
 per-group `TurboQuantLinear` (and the parameters kept in full precision that are vectors: norm-layer weights,
-biases) can be tuned end to end. The float model's distributions on the calibration sequences are recorded before
+biases) can be tuned. `tune_block` does it for one decoder block as soon as it is rounded (the calibration pass
+calls it): Adam steps lower the relative squared error between the block's output and the float block's output
+on the float model's own hidden states. The end-to-end pass tunes the whole model after the rounding. The float model's distributions on the calibration sequences are recorded before
 its weights are quantized (`teacher_targets`: each position's `TOP_K` most likely tokens and their
 log-probabilities, the rest of the vocabulary as one outcome), and `distill` lowers the mean KL divergence of the
 quantized model's distributions to them by Adam steps on `log norm` (each norm `n0 * exp(theta)`) and on the vector
@@ -150,6 +153,64 @@ def distill(model: nn.Module, batches: list[torch.Tensor], targets: list[tuple],
             "top_tokens": int(targets[0][0].shape[-1]),
             "held_out_kl_before": round(before, 6), "held_out_kl_after": round(after, 6), "kept": kept,
             "seconds": round(time.perf_counter() - start, 1)}
+
+
+def tune_block(block: nn.Module, hidden: list, calls: list, targets: list, run, steps: int, lr: float) -> dict:
+    """`steps` Adam steps on the log-norms of the per-group `TurboQuantLinear`s of `block` (learning rate `lr`) and on
+    its vector parameters (`lr * VECTOR_LR_SCALE`), one batch a step, lowering the relative squared error
+    `|block(hidden) - target|^2 / |target|^2` (`run(block, hidden[i], calls[i])` runs the block). The last
+    `held_out(len(hidden))` batches check it (all of them when there is one); when their error did not fall, every
+    parameter goes back to its value before. Returns the mean relative error of the checking batches before and
+    after, and whether the tuning was kept."""
+    tuned = [_TunedNorms(m, torch.float32 if hidden[0].device.type == "cpu" else hidden[0].dtype)
+             for m in block.modules()
+             if isinstance(m, TurboQuantLinear) and m.weight.rotation == "groups" and m.weight.tp_shard is None]
+    vectors = [p for p in block.parameters() if p.dim() == 1 and p.is_floating_point()]
+    initial = [p.detach().clone() for p in vectors]
+    grad_before = {id(p): p.requires_grad for p in block.parameters()}
+    n_check = held_out(len(hidden)) if len(hidden) > 1 else 0
+    train = list(range(len(hidden) - n_check))
+    check = list(range(len(hidden) - n_check, len(hidden))) if n_check else train
+    scale = [float(t.float().pow(2).mean().clamp_min(1e-30)) for t in targets]
+
+    def error(i):
+        out = run(block, hidden[i], calls[i])
+        return (out.float() - targets[i].float()).pow(2).mean() / scale[i]
+
+    def check_error():
+        with torch.no_grad():
+            return sum(float(error(i)) for i in check) / len(check)
+
+    for p in block.parameters():
+        p.requires_grad_(False)
+    for p in vectors:
+        p.requires_grad_(True)
+    groups = [{"params": [t.theta for t in tuned], "lr": lr}]
+    if vectors:
+        groups.append({"params": vectors, "lr": lr * VECTOR_LR_SCALE})
+    opt = torch.optim.Adam(groups)
+    try:
+        with torch.enable_grad():
+            before = check_error()
+            for step in range(steps):
+                loss = error(train[step % len(train)])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            after = check_error()
+        kept = after < before
+        if not kept:
+            with torch.no_grad():
+                for t in tuned:
+                    t.theta.zero_()
+                for p, p0 in zip(vectors, initial):
+                    p.copy_(p0)
+    finally:
+        for t in tuned:
+            t.finish()
+        for p in block.parameters():
+            p.requires_grad_(grad_before[id(p)])
+    return {"error_before": before, "error_after": after, "kept": kept}
 
 
 def held_out(n: int) -> int:

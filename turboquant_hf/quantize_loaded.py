@@ -18,7 +18,8 @@ logger = logging.get_logger(__name__)
 
 def quantize_after_loading(model, config: TurboQuantConfig) -> None:
     """Quantize a model loaded in float: bits allocated under `config.target_bits_per_weight`, then calibrated
-    rounding (`config.calibration`) or round-to-nearest, then distillation (`CalibrationConfig.distill_steps`);
+    rounding (`config.calibration`, each block tuned after its rounding with `CalibrationConfig.block_steps`) or
+    round-to-nearest, then distillation (`CalibrationConfig.distill_steps`);
     the data used and what each step did are recorded in `config.calibrated_with`."""
     cal = config.calibration if config.calibration is not None else CalibrationConfig()
     resolve_options(cal.options)  # a bad option is reported before any work
@@ -46,6 +47,11 @@ def quantize_after_loading(model, config: TurboQuantConfig) -> None:
         if summary["options"]:
             record["options"] = summary["options"]
         logger.info("TurboQuant: calibrated %d blocks in %.1f s", summary["blocks"], summary["seconds"])
+        if "block_tuned" in summary:
+            record["block_tuned"] = t = summary["block_tuned"]
+            logger.info("TurboQuant: %d steps a block tuned %d of %d blocks: relative error of the block outputs "
+                        "on the checking sequences %.4f -> %.4f", t["steps"], t["kept"], t["blocks"],
+                        t["error_before"], t["error_after"])
     else:
         rtn_quantize(model, planning.from_config(model, config))
         record["method"] = "round-to-nearest"
