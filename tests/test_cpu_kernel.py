@@ -11,12 +11,16 @@ from turboquant_hf.modules import TurboQuantLinear, format_constants, quantize_l
 LEVELS = [3, 4, 8, 16]
 
 
-@pytest.fixture(scope="module", params=["vector", "portable"])
+BUILDS = {"native": (), "avx2": ("TQ_NO_AVX512",), "portable": ("TQ_PORTABLE",)}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
 def lib(request):
-    """The library as `library()` builds it, and the portable C build (no intrinsics) of the same source."""
+    """The library as `library()` builds it, the same without AVX-512 instructions, and the portable C build (no
+    intrinsics) of the same source."""
     if cpu_kernel._compiler() is None:
         pytest.skip("no C compiler on this machine: the op runs the reference (test_fallback_without_the_kernel)")
-    path, reason = cpu_kernel.build(("TQ_PORTABLE",) if request.param == "portable" else ())
+    path, reason = cpu_kernel.build(BUILDS[request.param])
     assert path is not None, reason  # a compiler is here: the build must work
     return cpu_kernel.load(path)
 
@@ -135,3 +139,21 @@ def test_gradients_and_compile_through_the_kernel():
     assert torch.allclose(x.grad, xr.grad, rtol=1e-4, atol=1e-4 * xr.grad.abs().max().item())
     with torch.no_grad():
         assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(x), layer(x))
+
+
+def test_shapes_that_do_not_fit_are_left_to_the_reference():
+    """The kernel reads by the shapes it is given: packed bytes, norms or activations that do not fit one another are
+    not passed to it, and the op raises the reference's error instead of reading past a tensor."""
+    if cpu_kernel._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    packed, norms = _weight(8, 64, rows=9, in_features=200)
+    cb, s1, s2 = format_constants(8, 64, "cpu")
+    x = torch.randn(2, 200)
+    assert cpu_kernel.linear(x, packed, norms, cb, 64, (s1, s2), 200) is not None
+    assert cpu_kernel.linear(x, packed[:-1], norms, cb, 64, (s1, s2), 200) is None  # a group's bytes missing
+    for bad in ((x, packed[:, :-1], norms, 200), (x[:, :120], packed, norms, 120), (x, packed, norms[:, :3], 200)):
+        assert cpu_kernel.linear(bad[0], bad[1], bad[2], cb, 64, (s1, s2), bad[3]) is None
+        with pytest.raises(RuntimeError):
+            torch.ops.turboquant.linear(bad[0], bad[1], bad[2], cb, s1, s2, 64, bad[3])
+    x_rot = ops.rotate_activations(x, s1, s2, 64)
+    assert cpu_kernel.linear(x_rot[:, :-16], packed, norms, cb, 64) is None

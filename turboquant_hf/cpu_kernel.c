@@ -105,9 +105,14 @@ static void decode_group_portable(const uint8_t *p, int n_levels, int G, const f
     }
 }
 
-/* the codebook as the decoders read it: 16 entries, the codebook repeated (ternary: its 3 entries, then zeros) */
-static void table16(const float *codebook, int n_levels, float *t) {
+/* The codebook as the decoders read it, TABLES floats: 16 entries, the codebook repeated (ternary: its 3 entries,
+   then zeros); for ternary then, for every byte, the codebook entries of its five digits and three zeros. */
+#define TABLES (16 + 256 * 8)
+static void build_tables(const float *codebook, int n_levels, float *t) {
     for (int i = 0; i < 16; i++) t[i] = n_levels == 3 ? (i < 3 ? codebook[i] : 0.0f) : codebook[i % n_levels];
+    if (n_levels == 3)
+        for (int b = 0; b < 256; b++)
+            for (int i = 0; i < 8; i++) t[16 + 8 * b + i] = i < 5 ? t[(ternary_digits[b] >> (8 * i)) & 0xff] : 0.0f;
 }
 
 /* one row of the weight in the rotated basis into dst, n_groups groups of G floats (codebook[idx] * norm), reading
@@ -130,22 +135,27 @@ static inline __m256i bcast32(const uint8_t *p) {
 
 /* Indices 8c..8c+7 of a group (p: its bytes) as values of the tables t0 (and t1): codebook * norm, 8 entries a
    register, the codebook repeated where it has fewer, so that the bits above an index that permutevar reads
-   select the same entry. 3 bits: 8 indices in 3 bytes, read as a 32-bit word (one byte past them). */
+   select the same entry. Reading a whole word reads past a row's last bytes: the last row of a call is decoded
+   apart. 3 bits: 8 indices in 3 bytes, read as a 32-bit word (one byte past them). */
 static inline __m256 chunk8(const uint8_t *p, int c, __m256 t0, __m256 t1) {
     return _mm256_permutevar8x32_ps(t0, _mm256_srlv_epi32(bcast32(p + 3 * c), _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21)));
     (void)t1;
 }
-/* 2 bits: 16 indices a word, its low or high half */
+/* 2 bits: 8 indices in 2 bytes, read as a 32-bit word (two bytes past them) */
 static inline __m256 chunk4(const uint8_t *p, int c, __m256 t0, __m256 t1) {
-    const __m256i sh = (c & 1) ? _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30) : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    return _mm256_permutevar8x32_ps(t0, _mm256_srlv_epi32(bcast32(p + 4 * (c >> 1)), sh));
+    return _mm256_permutevar8x32_ps(t0, _mm256_srlv_epi32(bcast32(p + 2 * c), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)));
     (void)t1;
 }
-/* 4 bits: 8 indices a word; the fourth bit chooses between t0 (entries 0-7) and t1 (8-15) */
+/* 4 bits: 8 indices a word; the fourth bit chooses between t0 (entries 0-7) and t1 (8-15): one two-table permute
+   with AVX-512VL, else two permutes and a blend */
 static inline __m256 chunk16(const uint8_t *p, int c, __m256 t0, __m256 t1) {
     __m256i idx = _mm256_srlv_epi32(bcast32(p + 4 * c), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+#if defined(__AVX512VL__) && defined(__AVX512F__) && !defined(TQ_NO_AVX512)
+    return _mm256_permutex2var_ps(t0, idx, t1);
+#else
     return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, idx), _mm256_permutevar8x32_ps(t1, idx),
                             _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+#endif
 }
 
 static inline float hsum(__m256 v) {
@@ -188,16 +198,15 @@ ROW_FUNCTION(row3, chunk8)
 ROW_FUNCTION(row2, chunk4)
 ROW_FUNCTION(row4, chunk16)
 
-/* ternary: five digits a byte, eight lanes stored (the three past them are overwritten next) into dst */
-static void decode_row_ternary(const uint8_t *prow, const void *norms, int norms_dtype, size_t first_norm, __m256 T0,
-                               int G, int n_groups, int bpg, float *dst) {
+/* ternary: a byte's five values (and three zeros) from its row of the table, scaled, stored eight lanes wide (the
+   three past them are overwritten next) into dst */
+static void decode_row_ternary(const uint8_t *prow, const void *norms, int norms_dtype, size_t first_norm,
+                               const float *bytes, int G, int n_groups, int bpg, float *dst) {
     for (int g = 0; g < n_groups; g++) {
-        __m256 t = _mm256_mul_ps(T0, _mm256_set1_ps(load_float(norms, norms_dtype, first_norm + g)));
+        __m256 n = _mm256_set1_ps(load_float(norms, norms_dtype, first_norm + g));
         const uint8_t *p = prow + (size_t)g * bpg;
         float *d = dst + (size_t)g * G;
-        for (int j = 0; j < bpg; j++)
-            _mm256_storeu_ps(d + 5 * j, _mm256_permutevar8x32_ps(t, _mm256_cvtepu8_epi32(
-                                                                     _mm_cvtsi64_si128((long long)ternary_digits[p[j]]))));
+        for (int j = 0; j < bpg; j++) _mm256_storeu_ps(d + 5 * j, _mm256_mul_ps(_mm256_loadu_ps(bytes + 8 * p[j]), n));
     }
 }
 
@@ -219,26 +228,29 @@ static float dot_grouped(const float *w, const float *x, int G, int n_groups) {
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
-/* Weight rows that one activation row multiplies as they are decoded (`fused`): 2, 3 and 4 bits. */
-static int fuses(int n_levels) { return n_levels != 3; }
+/* Whether one activation row's products take a row at a time (`row` with x), in the order of `dot_grouped`. */
+static int fuses(int n_levels) { (void)n_levels; return 1; }
 
-/* One row of the weight: with x (one activation row, `fuses(n_levels)`) its dot product with x into *out, else
-   decoded into w. The last row of a call (`last`) is decoded without reading past its bytes. */
-static void row(const uint8_t *prow, const void *norms, int norms_dtype, size_t first_norm, const float *t16,
+/* One row of the weight (t: the tables of `build_tables`): with x (one activation row) its dot product with x into
+   *out, multiplied as it is decoded for 2, 3 and 4 bits; else decoded into w. The last row of a call (`last`) is
+   decoded without reading past its bytes. */
+static void row(const uint8_t *prow, const void *norms, int norms_dtype, size_t first_norm, const float *t,
                 int n_levels, int G, int n_groups, int bpg, const float *x, float *w, float *out, int last) {
-    if (last) {
-        decode_row_portable(prow, norms, norms_dtype, first_norm, t16, n_levels, G, n_groups, bpg, w);
+    if (last || n_levels == 3) {
+        if (last)
+            decode_row_portable(prow, norms, norms_dtype, first_norm, t, n_levels, G, n_groups, bpg, w);
+        else
+            decode_row_ternary(prow, norms, norms_dtype, first_norm, t + 16, G, n_groups, bpg, w);
         if (x) *out = dot_grouped(w, x, G, n_groups);
         return;
     }
-    __m256 T0 = _mm256_loadu_ps(t16), T1 = _mm256_loadu_ps(t16 + 8);
+    __m256 T0 = _mm256_loadu_ps(t), T1 = _mm256_loadu_ps(t + 8);
     float *dst = x ? NULL : w;
     float y;
     switch (n_levels) {
     case 8: y = row3(prow, norms, norms_dtype, first_norm, T0, T1, G, n_groups, bpg, x, dst); break;
     case 4: y = row2(prow, norms, norms_dtype, first_norm, T0, T1, G, n_groups, bpg, x, dst); break;
-    case 16: y = row4(prow, norms, norms_dtype, first_norm, T0, T1, G, n_groups, bpg, x, dst); break;
-    default: decode_row_ternary(prow, norms, norms_dtype, first_norm, T0, G, n_groups, bpg, w); return;
+    default: y = row4(prow, norms, norms_dtype, first_norm, T0, T1, G, n_groups, bpg, x, dst); break;
     }
     if (!dst) *out = y;
 }
@@ -365,8 +377,8 @@ int tq_linear(const void *x, int x_dtype, int M, int in_features, int rotated, c
               const uint8_t *packed, const void *norms, int norms_dtype, const float *codebook, int n_levels,
               long long rows, int n_groups, int G, int bpg, void *out_, int out_dtype, int threads) {
     const int P = n_groups * G;
-    float t16[16];
-    table16(codebook, n_levels, t16);
+    float tables[TABLES];
+    build_tables(codebook, n_levels, tables);
     const float *xr;
     if (rotated) {
         xr = (const float *)x;
@@ -394,7 +406,7 @@ int tq_linear(const void *x, int x_dtype, int M, int in_features, int rotated, c
 #endif
             for (long long b = 0; b < blocks; b++) {
                 if (fused) { /* one weight row, multiplied as it is decoded */
-                    row(packed + (size_t)b * n_groups * bpg, norms, norms_dtype, (size_t)b * n_groups, t16, n_levels,
+                    row(packed + (size_t)b * n_groups * bpg, norms, norms_dtype, (size_t)b * n_groups, tables, n_levels,
                         G, n_groups, bpg, xr, w, out + b, b == rows - 1);
                     continue;
                 }
@@ -402,7 +414,7 @@ int tq_linear(const void *x, int x_dtype, int M, int in_features, int rotated, c
                 int nr = rows - r0 < TILE_R ? (int)(rows - r0) : TILE_R;
                 for (int i = 0; i < nr; i++) {
                     long long r = r0 + i;
-                    row(packed + (size_t)r * n_groups * bpg, norms, norms_dtype, (size_t)r * n_groups, t16, n_levels,
+                    row(packed + (size_t)r * n_groups * bpg, norms, norms_dtype, (size_t)r * n_groups, tables, n_levels,
                         G, n_groups, bpg, NULL, w + (size_t)i * P, NULL, r == rows - 1);
                 }
                 tiles(w, nr, xr, M, P, out + r0, (size_t)rows);
@@ -420,13 +432,13 @@ int tq_linear(const void *x, int x_dtype, int M, int in_features, int rotated, c
 int tq_decode(const uint8_t *packed, const void *norms, int norms_dtype, const float *codebook, int n_levels,
               long long first, long long count, int n_groups, int G, int bpg, float *out) {
     const size_t P = (size_t)n_groups * G;
-    float t16[16];
-    table16(codebook, n_levels, t16);
+    float tables[TABLES];
+    build_tables(codebook, n_levels, tables);
     float *w = thread_buffer(1, P + 16);
     if (!w) return -1;
     for (long long r = first; r < first + count; r++) {
         const uint8_t *prow = packed + (size_t)r * n_groups * bpg;
-        row(prow, norms, norms_dtype, (size_t)r * n_groups, t16, n_levels, G, n_groups, bpg, NULL, w, NULL,
+        row(prow, norms, norms_dtype, (size_t)r * n_groups, tables, n_levels, G, n_groups, bpg, NULL, w, NULL,
             r == first + count - 1);
         memcpy(out + (size_t)(r - first) * P, w, P * 4);
     }

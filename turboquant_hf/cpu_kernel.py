@@ -29,6 +29,7 @@ import threading
 
 import torch
 
+from . import format as fmt
 from . import settings
 
 # Most activation rows the kernel serves; more rows (a prompt's prefill) take the reference's matrix product.
@@ -139,6 +140,10 @@ def status() -> str:
     return f"compiled kernel ({isa}, {_state['path']})"
 
 
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
+
+
 def serves(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor) -> bool:
     """Whether the kernel takes this product: CPU tensors, 1 to `MAX_ROWS` activation rows, published uint8
     bytes, float32/bfloat16/float16 activations and norms, a codebook of 3, 4, 8 or 16 entries, outside a trace.
@@ -146,6 +151,21 @@ def serves(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     return (x.device.type == "cpu" and packed.dtype == torch.uint8 and 0 < x.shape[0] <= MAX_ROWS
             and x.dtype in _DTYPES and norms.dtype in _DTYPES and codebook.numel() in (3, 4, 8, 16)
             and packed.device.type == "cpu" and norms.device.type == "cpu" and not torch.compiler.is_compiling())
+
+
+def _geometry(x, packed, norms, codebook, group_size: int, signs, in_features) -> bool:
+    """Whether the shapes fit one another (the kernel reads by them): `(rows*n_groups, bytes_per_group)` packed
+    bytes, `(rows, n_groups)` norms, `(M, in_features)` activations covering the groups (`(M, n_groups*G)` float32
+    when already rotated), signs of G entries, G a multiple of 16 (a power of two to rotate)."""
+    if x.dim() != 2 or packed.dim() != 2 or norms.dim() != 2 or group_size % 16 or group_size <= 0:
+        return False
+    rows, n_groups = norms.shape
+    if packed.shape != (rows * n_groups, fmt.bytes_per_group(codebook.numel(), group_size)):
+        return False
+    if signs is None:
+        return x.dtype == torch.float32 and x.shape[1] == n_groups * group_size
+    return (x.shape[1] == in_features and -(-in_features // group_size) == n_groups
+            and not group_size & (group_size - 1) and all(s.numel() == group_size for s in signs))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
@@ -161,26 +181,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     lib = lib or library()
     if lib is None:
         return None
+    if not _geometry(x, packed, norms, codebook, group_size, signs, in_features):
+        return None  # (the reference raises on what does not fit)
     rows, n_groups = norms.shape
     m = x.shape[0]
-    x = x.contiguous()
-    packed, norms = packed.contiguous(), norms.contiguous()
-    cb = codebook.to(torch.float32).contiguous()
     if signs is None:
         s1 = s2 = None
         in_features = n_groups * group_size
-        if x.dtype != torch.float32 or x.shape[1] != in_features:
-            return None
     else:
-        if group_size & (group_size - 1):
-            return None
-        s1, s2 = (s.to(torch.float32).contiguous() for s in signs)
+        s1, s2 = _float32(signs[0]), _float32(signs[1])
+    x, packed, norms, cb = x.contiguous(), packed.contiguous(), norms.contiguous(), _float32(codebook)
     out = torch.empty(m, rows, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
     threads = max(1, min(torch.get_num_threads(), m * rows * n_groups * group_size // MIN_WORK_PER_THREAD))
     rc = lib.tq_linear(x.data_ptr(), _DTYPES[x.dtype], m, in_features, signs is None,
-                       None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr(),
-                       packed.data_ptr(), norms.data_ptr(), _DTYPES[norms.dtype], cb.data_ptr(), cb.numel(),
-                       rows, n_groups, group_size, packed.shape[1], out.data_ptr(), _DTYPES[out.dtype], threads)
+                       None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr(), packed.data_ptr(),
+                       norms.data_ptr(), _DTYPES[norms.dtype], cb.data_ptr(), cb.numel(), rows, n_groups, group_size,
+                       packed.shape[1], out.data_ptr(), _DTYPES[out.dtype], threads)
     if rc:
         raise MemoryError("the CPU kernel could not allocate its buffers")
     return out
@@ -191,8 +207,7 @@ def decode(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, gr
     from `load`, by default `library()`)."""
     lib = lib or library()
     rows, n_groups = norms.shape
-    packed, norms = packed.contiguous(), norms.contiguous()
-    cb = codebook.to(torch.float32).contiguous()
+    packed, norms, cb = packed.contiguous(), norms.contiguous(), _float32(codebook)
     out = torch.empty(rows, n_groups * group_size, dtype=torch.float32)
     if rows and lib.tq_decode(packed.data_ptr(), norms.data_ptr(), _DTYPES[norms.dtype], cb.data_ptr(), cb.numel(),
                               0, rows, n_groups, group_size, packed.shape[1], out.data_ptr()):
