@@ -1,13 +1,14 @@
 """CPU decode speed of TurboQuant against bf16, in one run: SmolLM2-135M generating, and one 4096x14336 layer.
 
     python benchmarks/cpu_decode.py [--bits 3] [--new-tokens 64] [--repeats 5] [--layer-repeats 30]
-                                    [--skip-model] [--skip-layer]
+                                    [--skip-model] [--skip-layer] [--skip-moe]
 
 Model: greedy generation with a fixed prompt, batch 1, both models in the same dtype (bf16 by default), the two
 models' runs interleaved, median of the repeats. Layer: a 14336x4096 Gaussian weight (Llama-3-8B's gate/up
 shape) quantized with G=128, `TurboQuantLinear` against bf16 `F.linear` on bf16 activations of M = 1 and 16 rows,
-interleaved, median of the repeats. Prints tokens per second or milliseconds, and the ratio (> 1: TurboQuant is
-faster), with the path the CPU product ran on (`turboquant_hf.cpu_kernel.status()`).
+interleaved, median of the repeats. MoE: the routed-experts op at one token (8 of 32 experts of Qwen3-30B-A3B's
+shapes), the compiled kernel against the torch reference. Prints tokens per second or milliseconds, and the ratio
+(> 1: faster), with the path the CPU product ran on (`turboquant_hf.cpu_kernel.status()`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from offline_assets import smollm2_base
 
 import turboquant_hf  # noqa: F401
-from turboquant_hf import TurboQuantConfig, cpu_kernel
+from turboquant_hf import TurboQuantConfig, codec, cpu_kernel
+from turboquant_hf import format as fmt
 from turboquant_hf.modules import TurboQuantLinear, quantize_linear_
 
 
@@ -88,6 +90,41 @@ def layer_table(args) -> None:
     print()
 
 
+def moe_table(args) -> None:
+    """The routed-experts op at decode (one token, 8 of 32 experts, Qwen3-30B-A3B's expert shapes): the compiled
+    kernel against the torch reference (TURBOQUANT_CPU_KERNEL=0), interleaved."""
+    torch.manual_seed(0)
+    experts, hidden, inter, top_k, g = 32, 2048, 768, 8, 128
+    gate_up = codec.quantize_weight(torch.randn(experts * 2 * inter, hidden) * hidden**-0.5, args.bits, g)
+    down = codec.quantize_weight(torch.randn(experts * hidden, inter) * inter**-0.5, args.bits, g)
+    cb = fmt.codebook(fmt.levels_for_bits(args.bits), g)
+    s1, s2 = fmt.signs(g)
+    x = torch.randn(1, hidden).to(torch.bfloat16)
+    index = torch.randperm(experts)[:top_k].view(1, top_k)
+    weights = torch.softmax(torch.randn(1, top_k), -1).to(torch.bfloat16)
+    times = {"1": [], "0": []}
+    saved = os.environ.get("TURBOQUANT_CPU_KERNEL")
+    try:
+        for _ in range(args.layer_repeats + 1):
+            for setting, ts in times.items():
+                os.environ["TURBOQUANT_CPU_KERNEL"] = setting
+                t = time.perf_counter()
+                torch.ops.turboquant.moe_experts_nograd(x, index, weights, *gate_up, cb, *down, cb, s1, s2, g,
+                                                        experts, "silu")
+                ts.append(time.perf_counter() - t)
+    finally:
+        if saved is None:
+            os.environ.pop("TURBOQUANT_CPU_KERNEL", None)
+        else:
+            os.environ["TURBOQUANT_CPU_KERNEL"] = saved
+    kernel, reference = (statistics.median(times[k][1:]) * 1e3 for k in ("1", "0"))
+    print(f"routed experts op, 1 token, top-{top_k} of {experts} experts ({hidden} -> 2x{inter} -> {hidden}), "
+          f"{args.bits}-bit G={g}, median of {args.layer_repeats}\n")
+    print("| reference ms | kernel ms | ratio (reference / kernel) |")
+    print("|---|---|---|")
+    print(f"| {reference:.2f} | {kernel:.2f} | {reference / kernel:.2f} |\n")
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -105,6 +142,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-layer", action="store_true")
+    p.add_argument("--skip-moe", action="store_true")
     args = p.parse_args()
     args.bits = int(args.bits) if float(args.bits).is_integer() else args.bits
     dtype = getattr(torch, args.dtype)
@@ -115,6 +153,8 @@ def main():
         model_table(args, dtype)
     if not args.skip_layer:
         layer_table(args)
+    if not args.skip_moe:
+        moe_table(args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ rows (a prompt's prefill), the GPU runtime layout, and products that autograd di
 
 It is compiled on first use with the machine's C compiler (`$CC`, else `cc`, `gcc` or `clang`; `-O3
 -march=native`, with OpenMP where the compiler has it) into `~/.cache/turboquant-hf/cpu-kernel` (or
-`$XDG_CACHE_HOME/turboquant-hf/cpu-kernel`), keyed by the source, the compiler, the flags and the machine, and
+`$XDG_CACHE_HOME/turboquant-hf/cpu-kernel`), keyed by the source, the compiler, the flags and the CPU, and
 loaded through ctypes: no Python or torch header, about a second. Where no compiler is found or the build fails,
 `linear` returns None and the op runs the reference (`status()` says why); `TURBOQUANT_CPU_KERNEL=0` turns it
 off.
@@ -54,6 +54,18 @@ def _compiler() -> str | None:
     return None
 
 
+def _machine() -> str:
+    """What `-march=native` compiles for: the CPU's model and instruction-set flags where the system lists them
+    (Linux), so that a cache shared between machines (a network home directory) never hands one machine another's
+    build."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    except OSError:
+        lines = []
+    return "\n".join([platform.machine(), platform.processor(), *sorted(set(lines))])
+
+
 def _cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "turboquant-hf", "cpu-kernel")
@@ -71,9 +83,8 @@ def build(defines: tuple[str, ...] = ()) -> tuple[str | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, timeout=60, check=False).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), version, platform.machine().encode(),
-                                      platform.processor().encode(), repr((_FLAG_SETS, _FLAGS)).encode(),
-                                      *(d.encode() for d in defines)])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), version, _machine().encode(),
+                                      repr((_FLAG_SETS, _FLAGS)).encode(), *(d.encode() for d in defines)])).hexdigest()[:16]
     errors = []
     for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"turboquant-hf-{os.getuid()}")):
         path = os.path.join(folder, f"tq_cpu_{key}.so")
