@@ -75,17 +75,25 @@ def test_product_matches_the_reference(lib, n_levels, group_size, in_features, m
             assert got.dtype == torch.float32 and torch.allclose(got, want_d, **tol)
 
 
-def test_a_row_gives_the_same_result_wherever_it_is(lib):
+def test_a_row_gives_the_same_result_wherever_it_is(lib, monkeypatch):
     """Each row is one thread's dot product, whatever the number of rows, of threads, or the row's place (the last
-    row of a call is decoded without reading past it): a slice of the weight gives exactly its part of the product."""
+    row of a call is decoded without reading past it): a slice of the weight gives exactly its part of the product,
+    computed on one thread or on two."""
     packed, norms = _weight(8, 128, rows=50, in_features=512)
     cb, s1, s2 = format_constants(8, 128, "cpu")
-    for m in (1, 5):
-        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-        whole = cpu_kernel.linear(x, packed, norms, cb, 128, (s1, s2), 512, lib=lib)
-        for a, b in ((0, 1), (10, 11), (49, 50), (7, 30)):
-            part = cpu_kernel.linear(x, packed[a * 4:b * 4], norms[a:b], cb, 128, (s1, s2), 512, lib=lib)
-            assert torch.equal(part, whole[:, a:b])
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_kernel, "MIN_WORK_PER_THREAD", 1)  # every product on all of torch's threads
+    try:
+        for m in (1, 5):
+            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+            torch.set_num_threads(2)
+            whole = cpu_kernel.linear(x, packed, norms, cb, 128, (s1, s2), 512, lib=lib)
+            torch.set_num_threads(1)
+            for a, b in ((0, 50), (0, 1), (10, 11), (49, 50), (7, 30)):
+                part = cpu_kernel.linear(x, packed[a * 4:b * 4], norms[a:b], cb, 128, (s1, s2), 512, lib=lib)
+                assert torch.equal(part, whole[:, a:b])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_op_runs_the_kernel_for_a_few_rows_and_the_reference_beyond(monkeypatch):

@@ -155,45 +155,44 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
-def serves(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor) -> bool:
+def serves(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
+           signs: tuple[torch.Tensor, torch.Tensor] | None = None, in_features: int | None = None) -> bool:
     """Whether the kernel takes this product: CPU tensors, 1 to `MAX_ROWS` activation rows, published uint8
-    bytes, float32/bfloat16/float16 activations and norms, a codebook of 3, 4, 8 or 16 entries, outside a trace.
-    (It records no autograd graph: callers that differentiate through the product use the reference.)"""
-    return (x.device.type == "cpu" and packed.dtype == torch.uint8 and 0 < x.shape[0] <= MAX_ROWS
-            and x.dtype in _DTYPES and norms.dtype in _DTYPES and codebook.numel() in (3, 4, 8, 16)
-            and packed.device.type == "cpu" and norms.device.type == "cpu" and not torch.compiler.is_compiling())
-
-
-def _geometry(x, packed, norms, codebook, group_size: int, signs, in_features) -> bool:
-    """Whether the shapes fit one another (the kernel reads by them): `(rows*n_groups, bytes_per_group)` packed
-    bytes, `(rows, n_groups)` norms, `(M, in_features)` activations covering the groups (`(M, n_groups*G)` float32
-    when already rotated), signs of G entries, G a multiple of 16 (a power of two to rotate)."""
-    if x.dim() != 2 or packed.dim() != 2 or norms.dim() != 2 or group_size % 16 or group_size <= 0:
+    bytes, float32/bfloat16/float16 activations and norms, a codebook of 3, 4, 8 or 16 entries, outside a trace,
+    and shapes that fit one another (the kernel reads by them; the reference raises on those that do not):
+    `(rows*n_groups, bytes_per_group)` packed bytes, `(rows, n_groups)` norms, `(M, in_features)` activations
+    covering the groups (`(M, n_groups*G)` float32 when already rotated, without `signs`), signs of G entries, G a
+    multiple of 16 (a power of two to rotate). (It records no autograd graph: callers that differentiate through
+    the product use the reference.)"""
+    if not (x.is_cpu and packed.is_cpu and norms.is_cpu and packed.dtype == torch.uint8 and x.dtype in _DTYPES
+            and norms.dtype in _DTYPES and x.dim() == 2 and packed.dim() == 2 and norms.dim() == 2
+            and 0 < x.shape[0] <= MAX_ROWS and group_size > 0 and not group_size % 16):
         return False
+    n_levels = codebook.numel()
     rows, n_groups = norms.shape
-    if packed.shape != (rows * n_groups, fmt.bytes_per_group(codebook.numel(), group_size)):
+    if n_levels not in (3, 4, 8, 16) or packed.shape != (rows * n_groups, fmt.bytes_per_group(n_levels, group_size)):
         return False
     if signs is None:
-        return x.dtype == torch.float32 and x.shape[1] == n_groups * group_size
-    return (x.shape[1] == in_features and -(-in_features // group_size) == n_groups
-            and not group_size & (group_size - 1) and all(s.numel() == group_size for s in signs))
+        ok = x.dtype == torch.float32 and x.shape[1] == n_groups * group_size
+    else:
+        ok = (x.shape[1] == in_features and -(-in_features // group_size) == n_groups
+              and not group_size & (group_size - 1) and signs[0].numel() == signs[1].numel() == group_size)
+    return ok and not torch.compiler.is_compiling()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
            signs: tuple[torch.Tensor, torch.Tensor] | None = None, in_features: int | None = None, lib=None):
     """`(M, rows)` product of the packed weight and `x` (bfloat16 for bfloat16 `x`, rounded from the float32 result,
-    else float32), or None where the kernel does not serve it.
+    else float32), or None where the kernel does not serve it (`serves`, `library`).
 
     With `signs` (D1, D2), `x` is `(M, in_features)` activations (float32, bfloat16 or float16), rotated per
     group here; without, `x` is `(M, n_groups*G)` float32 activations already rotated. `lib`: a library from
     `load`, by default `library()`."""
-    if not serves(x, packed, norms, codebook):
+    if not serves(x, packed, norms, codebook, group_size, signs, in_features):
         return None
     lib = lib or library()
     if lib is None:
         return None
-    if not _geometry(x, packed, norms, codebook, group_size, signs, in_features):
-        return None  # (the reference raises on what does not fit)
     rows, n_groups = norms.shape
     m = x.shape[0]
     if signs is None:
@@ -202,12 +201,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     else:
         s1, s2 = _float32(signs[0]), _float32(signs[1])
     x, packed, norms, cb = x.contiguous(), packed.contiguous(), norms.contiguous(), _float32(codebook)
-    out = torch.empty(m, rows, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+    x_dtype = _DTYPES[x.dtype]
+    out = torch.empty(m, rows, dtype=torch.bfloat16 if x_dtype == 1 else torch.float32)
     threads = max(1, min(torch.get_num_threads(), m * rows * n_groups * group_size // MIN_WORK_PER_THREAD))
-    rc = lib.tq_linear(x.data_ptr(), _DTYPES[x.dtype], m, in_features, signs is None,
+    rc = lib.tq_linear(x.data_ptr(), x_dtype, m, in_features, signs is None,
                        None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr(), packed.data_ptr(),
                        norms.data_ptr(), _DTYPES[norms.dtype], cb.data_ptr(), cb.numel(), rows, n_groups, group_size,
-                       packed.shape[1], out.data_ptr(), _DTYPES[out.dtype], threads)
+                       packed.shape[1], out.data_ptr(), 1 if x_dtype == 1 else 0, threads)
     if rc:
         raise MemoryError("the CPU kernel could not allocate its buffers")
     return out
