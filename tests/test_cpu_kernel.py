@@ -1,6 +1,8 @@
 """The compiled CPU product (`turboquant_hf.cpu_kernel`) against the torch reference: decoded weights bit for bit,
 products within float tolerance, on every tier, both builds (vector and portable C), and the op's fallback."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -117,7 +119,14 @@ def test_the_op_runs_the_kernel_for_a_few_rows_and_the_reference_beyond(monkeypa
 
 
 def test_fallback_without_the_kernel(monkeypatch, tmp_path):
-    """No compiler: the build says so, `linear` returns None and the op gives the reference's product."""
+    """No compiler, or one that fails: the build says so, `linear` returns None and the op gives the reference's
+    product."""
+    failing = shutil.which("false")
+    if failing:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        monkeypatch.setattr(cpu_kernel, "_compiler", lambda: failing)
+        path, reason = cpu_kernel.build()
+        assert path is None and reason.startswith("building the CPU kernel failed") and reason.count(failing) == 3
     monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
     path, reason = cpu_kernel.build()
     assert path is None and "no C compiler" in reason

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -43,6 +44,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
 _FLAGS = ("-std=gnu11", "-ffp-contract=off", "-fPIC", "-shared")
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded library or None, "reason": why there is none, "path": the built file
 
@@ -86,28 +88,33 @@ def build(defines: tuple[str, ...] = ()) -> tuple[str | None, str]:
     key = hashlib.sha256(b"\0".join([source, cc.encode(), version, _machine().encode(),
                                       repr((_FLAG_SETS, _FLAGS)).encode(), *(d.encode() for d in defines)])).hexdigest()[:16]
     errors = []
-    for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"turboquant-hf-{os.getuid()}")):
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"turboquant-hf-{user}")):
         path = os.path.join(folder, f"tq_cpu_{key}.so")
         if os.path.exists(path):
             return path, ""
         try:
             os.makedirs(folder, exist_ok=True)
-        except OSError as e:
+            fd, probe = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:  # not writable: the next folder
             errors.append(f"{folder}: {e}")
             continue
         for flags in _FLAG_SETS:
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-            os.close(fd)
-            cmd = [cc, *flags, *_FLAGS, *(f"-D{d}" for d in defines), SOURCE, "-o", tmp]
+            cmd = [cc, *flags, *_FLAGS, *(f"-D{d}" for d in defines), SOURCE, "-o"]
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+                os.close(fd)
+                done = subprocess.run([*cmd, tmp], capture_output=True, text=True, timeout=600, check=False)
+                if done.returncode == 0:
+                    os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same file
+                    return path, ""
+                os.unlink(tmp)
+                errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
             except (OSError, subprocess.SubprocessError) as e:
-                done, err = None, str(e)
-            if done is not None and done.returncode == 0:
-                os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same file
-                return path, ""
-            os.unlink(tmp)
-            errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:] if done is not None else err}")
+                errors.append(f"{' '.join(cmd)}: {e}")
+        break  # the compiler refused every set of flags: another folder would not change that
     return None, "building the CPU kernel failed: " + "; ".join(errors)
 
 
@@ -135,9 +142,13 @@ def library():
             path, reason = build()
             try:
                 _state["lib"] = load(path) if path else None
-            except OSError as e:
+            except (OSError, AttributeError) as e:
                 _state["lib"], reason = None, f"loading {path} failed: {e}"
             _state["reason"], _state["path"] = reason, path
+            if _state["lib"] is None:  # said once: CPU products of a few rows now take the slower torch reference
+                (logger.info if _compiler() is None else logger.warning)(
+                    "TurboQuant: CPU products run the torch reference: %s (TURBOQUANT_CPU_KERNEL=0 chooses it "
+                    "without trying)", reason)
     return _state["lib"]
 
 
