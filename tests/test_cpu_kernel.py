@@ -77,12 +77,14 @@ def test_product_matches_the_reference(lib, n_levels, group_size, in_features, m
             assert got.dtype == torch.float32 and torch.allclose(got, want_d, **tol)
 
 
-def test_a_row_gives_the_same_result_wherever_it_is(lib, monkeypatch):
+@pytest.mark.parametrize("n_levels", [3, 8])
+def test_a_row_gives_the_same_result_wherever_it_is(lib, monkeypatch, n_levels):
     """Each row is one thread's dot product, whatever the number of rows, of threads, or the row's place (the last
     row of a call is decoded without reading past it): a slice of the weight gives exactly its part of the product,
     computed on one thread or on two."""
-    packed, norms = _weight(8, 128, rows=50, in_features=512)
-    cb, s1, s2 = format_constants(8, 128, "cpu")
+    packed, norms = _weight(n_levels, 128, rows=50, in_features=512)
+    cb, s1, s2 = format_constants(n_levels, 128, "cpu")
+    per_row = packed.shape[0] // 50
     threads = torch.get_num_threads()
     monkeypatch.setattr(cpu_kernel, "MIN_WORK_PER_THREAD", 1)  # every product on all of torch's threads
     try:
@@ -92,7 +94,8 @@ def test_a_row_gives_the_same_result_wherever_it_is(lib, monkeypatch):
             whole = cpu_kernel.linear(x, packed, norms, cb, 128, (s1, s2), 512, lib=lib)
             torch.set_num_threads(1)
             for a, b in ((0, 50), (0, 1), (10, 11), (49, 50), (7, 30)):
-                part = cpu_kernel.linear(x, packed[a * 4:b * 4], norms[a:b], cb, 128, (s1, s2), 512, lib=lib)
+                part = cpu_kernel.linear(x, packed[a * per_row:b * per_row], norms[a:b], cb, 128, (s1, s2), 512,
+                                         lib=lib)
                 assert torch.equal(part, whole[:, a:b])
     finally:
         torch.set_num_threads(threads)

@@ -7,8 +7,8 @@
    w_rot[r, g*G + i] = codebook[idx] * norm[r, g] is the weight in the rotated basis (the reference's
    `codec.rotated_weight`: the same float32 products) and x_rot the activations rotated per group
    (D2 . H . D1 . x / sqrt(G), zero-padded to whole groups) or given already rotated. Each thread takes a
-   contiguous share of the weight rows. With one activation row (2, 3 or 4 bits), each weight row is multiplied as
-   it is decoded, in registers; otherwise TILE_R weight rows are decoded into a buffer of the thread's own (in the
+   contiguous share of the weight rows. With one activation row, each weight row is multiplied as it is decoded, in
+   registers; otherwise TILE_R weight rows are decoded into a buffer of the thread's own (in the
    caches) and multiplied by every activation row there, TILE_M activation rows by TILE_R weight rows at a time.
    Each output is one dot product in a fixed order, whatever the number of rows, threads or the row's place.
    Packed indices are read in the published tq3_native layout: LSB-first bit streams of 2-, 3- or 4-bit indices
@@ -210,6 +210,35 @@ static void decode_row_ternary(const uint8_t *prow, const void *norms, int norms
     }
 }
 
+/* ternary, one activation row: each byte's five values times five activations (a masked load: no lane past them),
+   the group's last byte only its digits within the group; reads no byte past the row */
+static float row_ternary(const uint8_t *prow, const void *norms, int norms_dtype, size_t first_norm,
+                         const float *bytes, int G, int n_groups, int bpg, const float *x) {
+    const int full = G / 5, rest = G - 5 * full;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m5 = _mm256_cmpgt_epi32(_mm256_set1_epi32(5), lane);
+    const __m256i mr = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), lane);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int g = 0; g < n_groups; g++) {
+        __m256 n = _mm256_set1_ps(load_float(norms, norms_dtype, first_norm + g));
+        const uint8_t *p = prow + (size_t)g * bpg;
+        const float *xg = x + (size_t)g * G;
+        int j = 0;
+        for (; j + 4 <= full; j += 4) {
+            a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(bytes + 8 * p[j]), n), _mm256_maskload_ps(xg + 5 * j, m5), a0);
+            a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(bytes + 8 * p[j + 1]), n), _mm256_maskload_ps(xg + 5 * j + 5, m5), a1);
+            a2 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(bytes + 8 * p[j + 2]), n), _mm256_maskload_ps(xg + 5 * j + 10, m5), a2);
+            a3 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(bytes + 8 * p[j + 3]), n), _mm256_maskload_ps(xg + 5 * j + 15, m5), a3);
+        }
+        for (; j < full; j++)
+            a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(bytes + 8 * p[j]), n), _mm256_maskload_ps(xg + 5 * j, m5), a0);
+        if (rest)
+            a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(bytes + 8 * p[full]), n), _mm256_maskload_ps(xg + 5 * full, mr), a1);
+    }
+    (void)bpg;
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
 /* <w, x> over n_groups groups of G in the order of the row functions' products (the same sums, bit for bit) */
 static float dot_grouped(const float *w, const float *x, int G, int n_groups) {
     const int chunks = G / 8;
@@ -228,19 +257,25 @@ static float dot_grouped(const float *w, const float *x, int G, int n_groups) {
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
-/* Whether one activation row's products take a row at a time (`row` with x), in the order of `dot_grouped`. */
+/* Whether one activation row's products take a weight row at a time (`row` with x). */
 static int fuses(int n_levels) { (void)n_levels; return 1; }
 
 /* One row of the weight (t: the tables of `build_tables`): with x (one activation row) its dot product with x into
-   *out, multiplied as it is decoded for 2, 3 and 4 bits; else decoded into w. The last row of a call (`last`) is
-   decoded without reading past its bytes. */
+   *out, multiplied as it is decoded; else decoded into w. The last row of a call (`last`) is decoded without
+   reading past its bytes, and its product summed in the same order (`dot_grouped`); ternary rows read only their
+   own bytes. */
 static void row(const uint8_t *prow, const void *norms, int norms_dtype, size_t first_norm, const float *t,
                 int n_levels, int G, int n_groups, int bpg, const float *x, float *w, float *out, int last) {
-    if (last || n_levels == 3) {
-        if (last)
-            decode_row_portable(prow, norms, norms_dtype, first_norm, t, n_levels, G, n_groups, bpg, w);
-        else
-            decode_row_ternary(prow, norms, norms_dtype, first_norm, t + 16, G, n_groups, bpg, w);
+    if (n_levels == 3 && x) {
+        *out = row_ternary(prow, norms, norms_dtype, first_norm, t + 16, G, n_groups, bpg, x);
+        return;
+    }
+    if (n_levels == 3) {
+        decode_row_ternary(prow, norms, norms_dtype, first_norm, t + 16, G, n_groups, bpg, w);
+        return;
+    }
+    if (last) {
+        decode_row_portable(prow, norms, norms_dtype, first_norm, t, n_levels, G, n_groups, bpg, w);
         if (x) *out = dot_grouped(w, x, G, n_groups);
         return;
     }
