@@ -4,7 +4,8 @@
                                  [--methods rtn text data-free budget sentences] [--tokens 16384] [--samples 128]
                                  [--write benchmarks/QUALITY.md]  (keeps the file's "## Decisions" section)
                                  [--readme]  (rewrites the table between README.md's quality-table markers)
-                                 [--json rows.json] [--distill-steps N]  (calibrated rows, then N distillation steps)
+                                 [--json rows.json] [--distill-steps N] [--block-steps N]  (calibrated rows: N steps a
+                                 block after its rounding, then N distillation steps)
 
 The rows behind QUALITY.md and the README's table are kept in benchmarks/quality_rows.json; both are rewritten from
 them without measuring anything:
@@ -81,7 +82,8 @@ def quant_config(method: str, bits, args, sequence_length: int, samples: int | N
         return TurboQuantConfig(bits=bits, group_size=128)
     data = "data-free" if method == "data-free" else calibration_file()
     cal = CalibrationConfig(data=data, samples=samples or args.samples, sequence_length=sequence_length, seed=0,
-                            distill_steps=getattr(args, "distill_steps", 0))
+                            distill_steps=getattr(args, "distill_steps", 0),
+                            block_steps=getattr(args, "block_steps", 0))
     if method == "budget":
         return TurboQuantConfig(bits=3, group_size=128, calibration=cal, target_bits_per_weight=BUDGET)
     return TurboQuantConfig(bits=bits, group_size=128, calibration=cal)
@@ -244,6 +246,9 @@ def _label(row) -> str:
     label = {"rtn": "round-to-nearest", "text": "calibrated, other plays", "data-free": "calibrated, data-free",
              "budget": f"{BUDGET}-bit budget, calibrated",
              "sentences": "calibrated, sentences of other plays"}[row["method"]]
+    tuned = (row.get("calibrated_with") or {}).get("block_tuned") or {}
+    if tuned.get("steps"):
+        label += f", + {tuned['steps']} steps a block ({tuned.get('kept')} of {tuned.get('blocks')} kept)"
     distilled = (row.get("calibrated_with") or {}).get("distilled") or {}
     if distilled.get("steps"):
         label += f", + {distilled['steps']} distillation steps{'' if distilled.get('kept') else ' (undone)'}"
@@ -384,6 +389,8 @@ def main() -> None:
                    help="all-MiniLM-L6-v2 `text` rows: calibration windows of 128 tokens (default 64)")
     p.add_argument("--calibration-sentences", type=int, default=512,
                    help="all-MiniLM-L6-v2 `sentences` rows: calibration sentences (default 512)")
+    p.add_argument("--block-steps", type=int, default=0,
+                   help="calibrated rows: tuning steps a block after its rounding (CalibrationConfig.block_steps)")
     p.add_argument("--distill-steps", type=int, default=0,
                    help="calibrated rows: distillation steps after the rounding (CalibrationConfig.distill_steps)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

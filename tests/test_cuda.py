@@ -377,7 +377,8 @@ def test_gpt_oss_width_experts_on_gpu_match_reference(bits, monkeypatch):
 @pytest.mark.parametrize("bits", [3, 4, 1.58])
 def test_cached_launch_runs_the_kernels_triton_picks(bits, monkeypatch):
     """`kernels.launch` (compiled kernels launched from its own cache) against Triton's launch path: the same bits
-    at every path of the op (pair GEMV, tensor-core GEMV, 17-64 rows, decode + cuBLAS), for activations at a
+    at every path of the op (pair GEMV, tensor-core GEMV, 17-32 rows, the packed-weight GEMM where it serves the
+    tier, decode + cuBLAS), for activations at a
     16-byte-aligned address and at one that is not (a specialization of its own), and within the reference's
     error; repeated calls hit the cache."""
     from turboquant_hf import layout, ops
@@ -396,7 +397,7 @@ def test_cached_launch_runs_the_kernels_triton_picks(bits, monkeypatch):
     nr = norms.to(fmt.default_norms_dtype(nl)).cuda()
     cb, s1, s2 = format_constants(nl, g, torch.device("cuda"), runtime)
     monkeypatch.setattr(LA, "_CACHE", {})
-    for m in (1, 2, 7, 40, 200):
+    for m in (1, 2, 7, 24, 100, 300):
         for offset in (0, 1):  # (bf16: one element = 2 bytes off the 16-byte alignment)
             flat = torch.randn(m * k + offset, generator=gen).to(torch.bfloat16).cuda()
             x = flat[offset:].view(m, k)
@@ -410,7 +411,7 @@ def test_cached_launch_runs_the_kernels_triton_picks(bits, monkeypatch):
             want = ops.turboquant_linear(x.float().cpu(), packed, norms, fmt.codebook(nl, g, "cpu"),
                                          *fmt.signs(g, "cpu"), g, k)
             assert rel(cached, want) < 1e-2, (m, offset, rel(cached, want))
-    assert LA._CACHE  # (the decode for cuBLAS at M = 200)
+    assert LA._CACHE  # (the decode for cuBLAS at M = 300)
     # both alignments of the activations were launched from the rotation's cache, as separate entries
     rot = [key for plan in L._rotate_plan.cache.values() for key in plan[6].cache]
     assert {key[1][0][1] for key in rot} == {True, False}
@@ -420,7 +421,8 @@ def test_wide_blocks_on_gpu(monkeypatch):
     """3-bit G = 128 at real shapes: the tensor-core GEMV's wide blocks (`mma_block`: two groups a block, the
     norms folded into bfloat16 values) stay within 5e-3 of the float32 reference and within 4e-3 of the one-group
     blocks, for M = 3, 8, 16, 24, 40 and 64, activations aligned and not, at 4096x4096 (wide up to 32 rows) and
-    2048 -> 16384 (wide above 16 rows); where `mma_block` keeps one-group blocks the output is theirs bit for bit."""
+    2048 -> 16384 (wide above 16 rows); where `mma_block` keeps one-group blocks the output is theirs bit for bit.
+    (The packed-weight GEMM, which serves 33 rows and more by default, is turned off.)"""
     from turboquant_hf import layout, ops
     from turboquant_hf import format as fmt
     from turboquant_hf.kernels import linear as L
@@ -440,6 +442,7 @@ def test_wide_blocks_on_gpu(monkeypatch):
             assert L.mma_block(nl, g, n, k // g, m) == want_kb, (n, m)
             for offset in (0, 1):
                 x = torch.randn(m * k + offset, generator=gen).to(torch.bfloat16).cuda()[offset:].view(m, k)
+                monkeypatch.setattr(T, "GEMM_MIN_M", 1 << 62)  # (the tensor-core GEMV, where the GEMM serves)
                 y = L.linear(x, pk, nr, cb, s1, s2, g, k)
                 monkeypatch.setattr(T, "WIDE", False)
                 one = L.linear(x, pk, nr, cb, s1, s2, g, k)
@@ -454,7 +457,8 @@ def test_wide_blocks_on_gpu(monkeypatch):
 def test_activation_order_on_gpu_matches_natural(bits, g, monkeypatch):
     """At real shapes on the GPU, the tensor-core GEMV reading activations in its own order (`X_ORDER`, the
     rotation's 16-byte stores) gives the natural order's output bit for bit, for M = 5, 16 and 40, activations
-    aligned and not; below X_ORDER_MIN weight values the natural order is used."""
+    aligned and not; below X_ORDER_MIN weight values the natural order is used. (The packed-weight GEMM, which
+    serves 33 rows and more by default, is turned off.)"""
     from turboquant_hf import layout
     from turboquant_hf import format as fmt
     from turboquant_hf.kernels import linear as L
@@ -477,6 +481,7 @@ def test_activation_order_on_gpu_matches_natural(bits, g, monkeypatch):
                 levels = []
                 monkeypatch.setattr(L, "rotate", lambda *a, _f=L.rotate, **kw: levels.append(kw.get("mma_levels", 0))
                                     or _f(*a, **kw))
+                monkeypatch.setattr(T, "GEMM_MIN_M", 1 << 62)  # (the tensor-core GEMV, where the GEMM serves)
                 monkeypatch.setattr(T, "X_ORDER", True)
                 ordered = L.linear(x, pk, nr, cb, s1, s2, g, k)
                 monkeypatch.setattr(T, "X_ORDER", False)
