@@ -177,3 +177,22 @@ def test_shapes_that_do_not_fit_are_left_to_the_reference():
             torch.ops.turboquant.linear(bad[0], bad[1], bad[2], cb, s1, s2, 64, bad[3])
     x_rot = ops.rotate_activations(x, s1, s2, 64)
     assert cpu_kernel.linear(x_rot[:, :-16], packed, norms, cb, 64) is None
+
+
+@pytest.mark.parametrize("n_levels", LEVELS)
+@pytest.mark.parametrize("group_size", [16, 32, 256])
+def test_rotated_activations_at_every_group_size(lib, n_levels, group_size):
+    """Activations already rotated (the whole-row rotation of turboquant-mlx layers, the MoE op), any group size the
+    formats use, a stored float16 codebook and float16 norms: the reference's product."""
+    g = torch.Generator().manual_seed(group_size)
+    rows, n_groups = 11, 3
+    bpg = fmt.bytes_per_group(n_levels, group_size)
+    packed = torch.randint(0, 243 if n_levels == 3 else 256, (rows * n_groups, bpg), dtype=torch.uint8, generator=g)
+    norms = torch.rand(rows, n_groups, generator=g).half()
+    cb = torch.randn(n_levels, generator=g).half()
+    x_rot = torch.randn(2, n_groups * group_size, generator=g)
+    want = x_rot @ codec.rotated_weight(packed, norms.float(), cb.float(), group_size).T
+    got = cpu_kernel.linear(x_rot, packed, norms, cb, group_size, lib=lib)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(cpu_kernel.decode(packed, norms, cb, group_size, lib=lib),
+                       codec.rotated_weight(packed, norms.float(), cb.float(), group_size))
