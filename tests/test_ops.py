@@ -220,3 +220,23 @@ def test_moe_op_without_autograd_where_no_gradient_is_needed():
     with torch.no_grad():
         assert ops.moe_op(h.clone().requires_grad_(), w.clone().requires_grad_()) is nograd
     assert str(nograd._schema).replace("_nograd", "") == str(with_grad._schema)
+
+
+def test_packed_indices_that_do_not_hold_the_weight_are_refused():
+    """Packed indices missing a group (or with one too many) for the norms' rows x groups: a clear error naming the
+    shapes, never a product of whatever memory follows them."""
+    from turboquant_hf import layout
+
+    packed, norms = codec.quantize_weight(torch.randn(64, 256) * 0.02, 3, 128)
+    x = torch.randn(2, 256)
+    cb = fmt.codebook(8, 128, "cpu")
+    s1, s2 = fmt.signs(128, "cpu")
+    for bad in (packed[:-1], torch.cat([packed, packed[:1]]), packed[:, :-1]):
+        with pytest.raises(ValueError, match=r"do not hold 64 rows x 2 groups of 128"):
+            torch.ops.turboquant.linear(x, bad, norms, cb, s1, s2, 128, 256)
+    runtime = layout.to_runtime(packed, 8, 128, 2)
+    want = torch.ops.turboquant.linear(x, packed, norms, cb, s1, s2, 128, 256)
+    got = torch.ops.turboquant.linear(x, runtime, norms, layout.runtime_codebook(cb), s1, s2, 128, 256)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"expected \(128, 12\)"):
+        torch.ops.turboquant.linear(x, runtime[:-1], norms, layout.runtime_codebook(cb), s1, s2, 128, 256)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import codec, cpu_kernel, layout, rotation
+from . import format as fmt
 from .activations import ACTIVATIONS, check_activation, gated
 from .routing import expert_groups, routed_groups, sort_routing  # noqa: F401  (re-exported: ops.expert_groups)
 
@@ -67,11 +68,31 @@ def _weight_blocks(packed, norms, codebook, group_size: int, reuse_buffer: bool 
         yield start, stop, codec.rotated_weight(chunk, norms[start:stop], codebook, group_size, out=scratch)
 
 
+def check_weight(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int) -> None:
+    """Raise ValueError unless `packed` holds exactly the groups that `norms` `(rows, n_groups)` names, in the
+    published uint8 layout or the runtime int32 one (a product must never read past them or leave groups out)."""
+    n_levels = codebook.numel()
+    if norms.dim() != 2 or n_levels not in (3, 4, 8, 16):
+        raise ValueError(f"TurboQuant weight: norms must be (rows, n_groups) and the codebook 3, 4, 8 or 16 entries, "
+                         f"got norms {tuple(norms.shape)} and {n_levels} entries")
+    rows, n_groups = norms.shape
+    width = (layout.runtime_width(n_levels, group_size) if layout.is_runtime(packed)
+             else fmt.bytes_per_group(n_levels, group_size))
+    if packed.dim() != 2 or tuple(packed.shape) != (rows * n_groups, width):
+        raise ValueError(f"TurboQuant weight: packed indices of shape {tuple(packed.shape)} do not hold {rows} rows "
+                         f"x {n_groups} groups of {group_size} ({n_levels}-entry codebook): expected "
+                         f"({rows * n_groups}, {width})")
+
+
 def codebook_matmul(
     x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """`(M, n_groups*G)` rotated activations times the packed weight: `(M, rows)` float32 (on CPU, for a few rows
     and no autograd graph to record, the compiled kernel where it serves: `cpu_kernel.linear`)."""
+    check_weight(packed, norms, codebook, group_size)
+    if x_rot.shape[-1] != norms.shape[1] * group_size:
+        raise ValueError(f"TurboQuant weight: rotated activations of width {x_rot.shape[-1]} for "
+                         f"{norms.shape[1]} groups of {group_size}")
     differentiable = x_rot.requires_grad and torch.is_grad_enabled()
     if not differentiable:
         y = cpu_kernel.linear(x_rot, packed, norms, codebook, group_size)
