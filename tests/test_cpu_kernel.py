@@ -121,6 +121,44 @@ def test_the_op_runs_the_kernel_for_a_few_rows_and_the_reference_beyond(monkeypa
         assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_a_build_whose_products_differ_from_the_reference_is_not_used(monkeypatch):
+    """`library` checks the build's products against the reference before using it: a build that gets one output
+    of one product wrong (as a miscompiling compiler or an unforeseen CPU could) is dropped, `status` says why,
+    and the op gives the reference's product."""
+    import ctypes
+
+    if cpu_kernel._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    calls = []
+
+    class OneWrongOutput:
+        def __init__(self, lib):
+            self.lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self.lib, name)
+
+        def tq_linear(self, *args):
+            rc = self.lib.tq_linear(*args)
+            calls.append(args[2])
+            if len(calls) == 5:  # (the fifth product checked: the 4-entry codebook at G = 64, one row)
+                ctypes.memset(args[16], 0, 4)
+            return rc
+
+    real_load = cpu_kernel.load
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setattr(cpu_kernel, "load", lambda path: OneWrongOutput(real_load(path)))
+    assert cpu_kernel.library() is None
+    assert "unlike the reference (4-entry codebook, G = 64, 1 activation rows" in cpu_kernel.status()
+    packed, norms = _weight(8, 64, rows=9, in_features=200)
+    cb, s1, s2 = format_constants(8, 64, "cpu")
+    x = torch.randn(2, 200)
+    assert cpu_kernel.linear(x, packed, norms, cb, 64, (s1, s2), 200) is None
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setattr(cpu_kernel, "load", real_load)
+    assert cpu_kernel.library() is not None and cpu_kernel.self_check(cpu_kernel.library()) is None
+
+
 def test_fallback_without_the_kernel(monkeypatch, tmp_path):
     """No compiler, or one that fails: the build says so, `linear` returns None and the op gives the reference's
     product."""

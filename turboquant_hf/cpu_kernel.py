@@ -144,12 +144,42 @@ def library():
                 _state["lib"] = load(path) if path else None
             except (OSError, AttributeError) as e:
                 _state["lib"], reason = None, f"loading {path} failed: {e}"
+            if _state["lib"] is not None:
+                differs = self_check(_state["lib"])
+                if differs:
+                    _state["lib"], reason = None, f"the build at {path} computed products unlike the reference ({differs})"
             _state["reason"], _state["path"] = reason, path
             if _state["lib"] is None:  # said once: CPU products of a few rows now take the slower torch reference
                 (logger.info if _compiler() is None else logger.warning)(
                     "TurboQuant: CPU products run the torch reference: %s (TURBOQUANT_CPU_KERNEL=0 chooses it "
                     "without trying)", reason)
     return _state["lib"]
+
+
+def self_check(lib) -> str | None:
+    """Products of `lib` on small random weights of every codebook size, at G = 64 and 128 with a padded last
+    group, one and three activation rows, on as many threads as torch uses (at least two, whatever the work),
+    against the reference's: None where they agree, else the first case that does not. `library` runs it once
+    before the kernel is used, so that a build this machine's compiler or CPU gets wrong is never used."""
+    from . import codec
+
+    gen = torch.Generator().manual_seed(0)
+    threads = max(2, torch.get_num_threads())
+    for n_levels, bits in ((3, 1.58), (4, 2), (8, 3), (16, 4)):
+        for group_size in (64, 128):
+            rows, in_features = 37, 3 * group_size - 24
+            packed, norms = codec.quantize_weight(torch.randn(rows, in_features, generator=gen), bits, group_size)
+            cb = fmt.codebook(n_levels, group_size, "cpu")
+            s1, s2 = fmt.signs(group_size, "cpu")
+            w = codec.rotated_weight(packed, norms, cb, group_size)
+            for m in (1, 3):
+                x = torch.randn(m, in_features, generator=gen)
+                padded = torch.nn.functional.pad(x, (0, norms.shape[1] * group_size - in_features))
+                want = codec.rotate_groups(padded.view(m, -1, group_size), s1, s2).view(m, -1) @ w.T
+                got = linear(x, packed, norms, cb, group_size, (s1, s2), in_features, lib=lib, threads=threads)
+                if got is None or not (got - want).abs().max() <= 1e-4 * want.abs().max():
+                    return f"{n_levels}-entry codebook, G = {group_size}, {m} activation rows, {threads} threads"
+    return None
 
 
 def status() -> str:
@@ -192,13 +222,14 @@ def serves(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor, group_size: int,
-           signs: tuple[torch.Tensor, torch.Tensor] | None = None, in_features: int | None = None, lib=None):
+           signs: tuple[torch.Tensor, torch.Tensor] | None = None, in_features: int | None = None, lib=None,
+           threads: int | None = None):
     """`(M, rows)` product of the packed weight and `x` (bfloat16 for bfloat16 `x`, rounded from the float32 result,
     else float32), or None where the kernel does not serve it (`serves`, `library`).
 
     With `signs` (D1, D2), `x` is `(M, in_features)` activations (float32, bfloat16 or float16), rotated per
     group here; without, `x` is `(M, n_groups*G)` float32 activations already rotated. `lib`: a library from
-    `load`, by default `library()`."""
+    `load`, by default `library()`. `threads`: the threads to run on (default: torch's, fewer for a small product)."""
     if not serves(x, packed, norms, codebook, group_size, signs, in_features):
         return None
     lib = lib or library()
@@ -214,7 +245,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook:
     x, packed, norms, cb = x.contiguous(), packed.contiguous(), norms.contiguous(), _float32(codebook)
     x_dtype = _DTYPES[x.dtype]
     out = torch.empty(m, rows, dtype=torch.bfloat16 if x_dtype == 1 else torch.float32)
-    threads = max(1, min(torch.get_num_threads(), m * rows * n_groups * group_size // MIN_WORK_PER_THREAD))
+    if threads is None:
+        threads = max(1, min(torch.get_num_threads(), m * rows * n_groups * group_size // MIN_WORK_PER_THREAD))
     rc = lib.tq_linear(x.data_ptr(), x_dtype, m, in_features, signs is None,
                        None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr(), packed.data_ptr(),
                        norms.data_ptr(), _DTYPES[norms.dtype], cb.data_ptr(), cb.numel(), rows, n_groups, group_size,
