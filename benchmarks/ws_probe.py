@@ -2,15 +2,20 @@
 prefill shapes with 16-bit weights, against bf16 cuBLAS in the same run: the ceiling of a packed-weight GEMM
 whose weight tiles are decoded by producer warps into shared memory while the tensor cores run.
 
-Two ways the weight tile reaches shared memory:
+Three ways the weight tile reaches shared memory:
 - `tma`: both operands by TMA (one loader warp), a plain warp-specialized GEMM;
 - `warps`: the activations by TMA, the weight loaded into registers by producer warps and stored to shared memory
-  (what a decoding producer does, without the decoding's arithmetic).
+  (what a decoding producer does, without the decoding's arithmetic);
+- `--tq`: the activations (rotated) by TMA, a 3-bit runtime-layout weight decoded by the producer warps with the
+  byte-permute lookups of `kernels/gemm.py` (`tq_gemm`), against the op as dispatched and the rotation alone.
 
 The consumer partition issues asynchronous wgmma from shared memory (activations [BM, BK] on the left, the weight
 [BN, BK] transposed on the right) with one product in flight, and releases a stage when its product is done.
 
     python ws_probe.py [--shapes 4096x4096,...] [--ms 512,2048] [--configs 128,128,64,4,8 ...]
+    python ws_probe.py --tq [--ms 256,512,2048] [--tq-configs 128,128,3,8,4,152 ...]
+    ncu --set full -k regex:tq_gemm_kernel --launch-skip 1 --launch-count 1 python ws_probe.py --tq --once \\
+        --shapes 4096x4096 --ms 2048 --tq-configs 128,128,3,8,4,152
 """
 
 from __future__ import annotations
@@ -262,6 +267,15 @@ def _tq_probe(args, B) -> None:
         for m in (int(v) for v in args.ms.split(",")):
             q, bw = case.buffers(m)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            if args.once:  # (for ncu: a few plain launches of each configuration)
+                x_rot = L.rotate(x, case.s1, case.s2, case.g, torch.bfloat16)
+                for cfg in args.tq_configs:
+                    bm, bn, stages, warps, ww, wr = (int(v) for v in cfg.split(","))
+                    for _ in range(3):
+                        tq_gemm(x_rot, q[0][0], q[0][1], case.cb_ours, bm=bm, bn=bn, stages=stages, warps=warps,
+                                writer_warps=ww, writer_regs=wr)
+                torch.cuda.synchronize()
+                continue
             ref = case.reference(x.float())
             t_ref, _ = B.time_calls([lambda w=w, x=x: F.linear(x, w) for w in bw], graph=True)
             args_op = (case.cb_ours, case.s1, case.s2, case.g, k)
@@ -294,6 +308,7 @@ def main() -> int:
                     default=["128,128,64,4,8", "128,256,64,3,8", "128,128,128,3,8", "64,128,64,4,4"],
                     help="bf16 probe: BM,BN,BK,stages,consumer warps")
     ap.add_argument("--tq", action="store_true", help="the 3-bit decode producer instead of the bf16 probe")
+    ap.add_argument("--once", action="store_true", help="with --tq: three plain launches a configuration, no timing")
     ap.add_argument("--tq-configs", nargs="*", default=["128,128,3,8,4,152", "128,128,2,8,4,152",
                                                         "128,256,2,8,4,96", "64,128,3,4,4,152"],
                     help="BM,BN,stages,consumer warps,producer warps,producer registers")
