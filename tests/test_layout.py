@@ -10,6 +10,14 @@ from turboquant_hf import format as fmt
 from turboquant_hf.modules import quantize_linear_
 
 
+@pytest.fixture(autouse=True)
+def _reference_products(monkeypatch):
+    """The runtime layout's products are compared bit for bit with the published bytes' through the reference,
+    which reads both (the compiled CPU kernel reads the published bytes only, and sums in its own order:
+    tests/test_cpu_kernel.py holds it to the reference)."""
+    monkeypatch.setenv("TURBOQUANT_CPU_KERNEL", "0")
+
+
 @pytest.mark.parametrize("n_levels,g", [(3, 64), (3, 128), (4, 64), (4, 128), (8, 64), (8, 128), (8, 256), (16, 64),
                                        (16, 128)])
 def test_round_trip_and_bit_positions(n_levels, g):
