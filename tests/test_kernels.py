@@ -689,8 +689,9 @@ def test_runtime_layout_kernels(L, bits, g, monkeypatch):
         else:  # (4-bit M = 17: the GEMM reads the runtime layout only; the published bytes take the GEMV)
             assert _rel(y_pub, ref) < 1.5e-2, lead
         assert _rel(y, ref) < 1.5e-2, lead
-        # the reference accepts the runtime layout too (a module moved between devices keeps working)
-        assert torch.equal(ops.turboquant_linear(x.float(), rt, norms, cbr, s1, s2, g, k), ref)
+        # the reference accepts the runtime layout too (a module moved between devices keeps working; the published
+        # bytes of up to 16 rows take the compiled CPU kernel, which sums in its own order)
+        assert _rel(ops.turboquant_linear(x.float(), rt, norms, cbr, s1, s2, g, k), ref) < 1e-6, lead
     # routed experts: stacked matrices, the runtime layout row by row
     e = 3
     w = torch.randn(e, n, k, generator=gen)
