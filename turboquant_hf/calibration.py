@@ -416,12 +416,11 @@ def calibrate_blocks(model: nn.Module, plan: planning.Plan, stack_name: str, hid
             plan.linears.pop(n, None)
             plan.experts.pop(n, None)
         if hidden_float is not None:
-            start = time.perf_counter()
             record = distillation.tune_block(block, hidden, calls[i], targets, _run_block, block_steps, block_lr)
             for name in linears:
                 results[name] = (results[name][0], model.get_submodule(name).weight.tq_norms.float().clone())
             if tuning is not None:
-                tuning.append({**record, "seconds": time.perf_counter() - start})
+                tuning.append(record)
             hidden_float = targets
         if i + 1 < len(blocks) and len(calls[i + 1]) == n_batches:
             with torch.no_grad():

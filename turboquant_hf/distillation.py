@@ -5,12 +5,12 @@ A tq3_native checkpoint stays valid whatever its norms are, so after the roundin
 per-group `TurboQuantLinear` (and the parameters kept in full precision that are vectors: norm-layer weights,
 biases) can be tuned. `tune_block` does it for one decoder block as soon as it is rounded (the calibration pass
 calls it): Adam steps lower the relative squared error between the block's output and the float block's output
-on the float model's own hidden states. The end-to-end pass tunes the whole model after the rounding. The float model's distributions on the calibration sequences are recorded before
-its weights are quantized (`teacher_targets`: each position's `TOP_K` most likely tokens and their
-log-probabilities, the rest of the vocabulary as one outcome), and `distill` lowers the mean KL divergence of the
-quantized model's distributions to them by Adam steps on `log norm` (each norm `n0 * exp(theta)`) and on the vector
-parameters, on three quarters of the sequences; the last quarter checks it, and the tuning is undone unless their
-KL fell. The packed indices, the codebook and every matrix kept in full precision stay as they are.
+on the float model's own hidden states. The end-to-end pass tunes the whole model after the rounding: the float
+model's distributions on the calibration sequences are recorded before its weights are quantized
+(`teacher_targets`: each position's `TOP_K` most likely tokens and their log-probabilities, the rest of the
+vocabulary as one outcome), and `distill` lowers the mean KL divergence of the quantized model's distributions to
+them by Adam steps on `log norm` (each norm `n0 * exp(theta)`) and on the vector parameters, on three quarters of
+the sequences; the last quarter checks it, and the tuning is undone unless their KL fell. The packed indices, the codebook and every matrix kept in full precision stay as they are.
 """
 
 from __future__ import annotations
@@ -85,56 +85,37 @@ class _TunedNorms:
         del self.module.forward
 
 
-def distill(model: nn.Module, batches: list[torch.Tensor], targets: list[tuple], steps: int, lr: float,
-            batch_size: int = 2) -> dict:
-    """`steps` Adam steps on the log-norms of every per-group `TurboQuantLinear` (learning rate `lr`) and on every
-    vector parameter (norm weights, biases; `lr * VECTOR_LR_SCALE`), `batch_size` sequences a step, cycling through the
-    calibration sequences but the last `held_out(len(batches))`. Those are kept out to check the result: when
-    their mean coarse KL did not fall, every parameter goes back to its value before tuning. The tuned norms are
-    written back in their own dtype. Returns what was tuned, the coarse KL of the held-out sequences before and
-    after, and whether the tuning was kept. Memory: each tuned layer's weight is held unpacked while this runs
-    (float32 on a CPU, the model's dtype on an accelerator), besides the activations of `batch_size` sequences."""
-    device = next(model.parameters()).device
-    dtype = torch.float32 if device.type == "cpu" else next(model.parameters()).dtype
-    n_check = held_out(len(batches))
-    train = list(range(len(batches) - n_check))
-    check = list(range(len(batches) - n_check, len(batches)))
-    tuned = [_TunedNorms(m, dtype) for m in model.modules()
+def _adam_tune(module: nn.Module, dtype: torch.dtype, lr: float, steps: int, loss_at, check) -> tuple:
+    """The tuning both passes share: `steps` Adam steps on the log-norms of the per-group `TurboQuantLinear`s in
+    `module` (learning rate `lr`, their weights unpacked in `dtype` meanwhile) and on its vector parameters (norm
+    weights, biases; `lr * VECTOR_LR_SCALE`), step i lowering `loss_at(i)`. `check()` (a float, gradients off) is
+    measured before and after; when it did not fall, every parameter goes back to its value before. The tuned norms
+    are written back in their own dtype and the parameters' `requires_grad` restored. Returns (check before, check
+    after, whether the tuning was kept)."""
+    tuned = [_TunedNorms(m, dtype) for m in module.modules()
              if isinstance(m, TurboQuantLinear) and m.weight.rotation == "groups" and m.weight.tp_shard is None]
-    vectors = [p for p in model.parameters() if p.dim() == 1 and p.is_floating_point()]
+    vectors = [p for p in module.parameters() if p.dim() == 1 and p.is_floating_point()]
     initial = [p.detach().clone() for p in vectors]
-    grad_before = {id(p): p.requires_grad for p in model.parameters()}
-    was_training = model.training
-    model.eval()  # (no dropout: the teacher's distributions were recorded without it)
-    for p in model.parameters():
+    grad_before = {id(p): p.requires_grad for p in module.parameters()}
+    for p in module.parameters():
         p.requires_grad_(False)
     for p in vectors:
         p.requires_grad_(True)
-
-    def loss_of(chosen):
-        ids = torch.cat([batches[i] for i in chosen]).to(device)
-        index = torch.stack([targets[i][0] for i in chosen]).to(device)
-        teacher = torch.stack([targets[i][1] for i in chosen]).to(device)
-        return coarse_kl(model(input_ids=ids).logits, index, teacher)
-
-    def check_kl():
-        with torch.no_grad():
-            return sum(float(loss_of([i])) for i in check) / len(check)
-
     groups = [{"params": [t.theta for t in tuned], "lr": lr}]
     if vectors:
         groups.append({"params": vectors, "lr": lr * VECTOR_LR_SCALE})
     opt = torch.optim.Adam(groups)
-    start = time.perf_counter()
     try:
-        before = check_kl()
-        for step in range(steps):
-            first = step * batch_size
-            loss = loss_of([train[(first + i) % len(train)] for i in range(min(batch_size, len(train)))])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        after = check_kl()
+        with torch.enable_grad():
+            with torch.no_grad():
+                before = check()
+            for step in range(steps):
+                loss = loss_at(step)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                after = check()
         kept = after < before
         if not kept:
             with torch.no_grad():
@@ -145,8 +126,43 @@ def distill(model: nn.Module, batches: list[torch.Tensor], targets: list[tuple],
     finally:
         for t in tuned:
             t.finish()
-        for p in model.parameters():
+        for p in module.parameters():
             p.requires_grad_(grad_before[id(p)])
+    return before, after, kept
+
+
+def distill(model: nn.Module, batches: list[torch.Tensor], targets: list[tuple], steps: int, lr: float,
+            batch_size: int = 2) -> dict:
+    """`steps` Adam steps on the log-norms of every per-group `TurboQuantLinear` (learning rate `lr`) and on every
+    vector parameter (norm weights, biases; `lr * VECTOR_LR_SCALE`), `batch_size` sequences a step, cycling through
+    the calibration sequences but the last `held_out(len(batches))`. Those are kept out to check the result: when
+    their mean coarse KL did not fall, every parameter goes back to its value before tuning (`_adam_tune`).
+    Returns what was tuned, the coarse KL of the held-out sequences before and after, and whether the tuning was
+    kept. Memory: each tuned layer's weight is held unpacked while this runs (float32 on a CPU, the model's dtype on
+    an accelerator), besides the activations of `batch_size` sequences."""
+    device = next(model.parameters()).device
+    dtype = torch.float32 if device.type == "cpu" else next(model.parameters()).dtype
+    n_check = held_out(len(batches))
+    train = list(range(len(batches) - n_check))
+    check = list(range(len(batches) - n_check, len(batches)))
+
+    def loss_of(chosen):
+        ids = torch.cat([batches[i] for i in chosen]).to(device)
+        index = torch.stack([targets[i][0] for i in chosen]).to(device)
+        teacher = torch.stack([targets[i][1] for i in chosen]).to(device)
+        return coarse_kl(model(input_ids=ids).logits, index, teacher)
+
+    def loss_at(step):
+        first = step * batch_size
+        return loss_of([train[(first + i) % len(train)] for i in range(min(batch_size, len(train)))])
+
+    was_training = model.training
+    model.eval()  # (no dropout: the teacher's distributions were recorded without it)
+    start = time.perf_counter()
+    try:
+        before, after, kept = _adam_tune(model, dtype, lr, steps, loss_at,
+                                         lambda: sum(float(loss_of([i])) for i in check) / len(check))
+    finally:
         model.train(was_training)
     return {"parameters": "group norms and vector parameters", "steps": steps, "lr": lr,
             "train_sequences": len(train), "held_out_sequences": len(check),
@@ -160,14 +176,8 @@ def tune_block(block: nn.Module, hidden: list, calls: list, targets: list, run, 
     its vector parameters (`lr * VECTOR_LR_SCALE`), one batch a step, lowering the relative squared error
     `|block(hidden) - target|^2 / |target|^2` (`run(block, hidden[i], calls[i])` runs the block). The last
     `held_out(len(hidden))` batches check it (all of them when there is one); when their error did not fall, every
-    parameter goes back to its value before. Returns the mean relative error of the checking batches before and
-    after, and whether the tuning was kept."""
-    tuned = [_TunedNorms(m, torch.float32 if hidden[0].device.type == "cpu" else hidden[0].dtype)
-             for m in block.modules()
-             if isinstance(m, TurboQuantLinear) and m.weight.rotation == "groups" and m.weight.tp_shard is None]
-    vectors = [p for p in block.parameters() if p.dim() == 1 and p.is_floating_point()]
-    initial = [p.detach().clone() for p in vectors]
-    grad_before = {id(p): p.requires_grad for p in block.parameters()}
+    parameter goes back to its value before (`_adam_tune`). Returns the mean relative error of the checking batches
+    before and after, and whether the tuning was kept."""
     n_check = held_out(len(hidden)) if len(hidden) > 1 else 0
     train = list(range(len(hidden) - n_check))
     check = list(range(len(hidden) - n_check, len(hidden))) if n_check else train
@@ -177,39 +187,9 @@ def tune_block(block: nn.Module, hidden: list, calls: list, targets: list, run, 
         out = run(block, hidden[i], calls[i])
         return (out.float() - targets[i].float()).pow(2).mean() / scale[i]
 
-    def check_error():
-        with torch.no_grad():
-            return sum(float(error(i)) for i in check) / len(check)
-
-    for p in block.parameters():
-        p.requires_grad_(False)
-    for p in vectors:
-        p.requires_grad_(True)
-    groups = [{"params": [t.theta for t in tuned], "lr": lr}]
-    if vectors:
-        groups.append({"params": vectors, "lr": lr * VECTOR_LR_SCALE})
-    opt = torch.optim.Adam(groups)
-    try:
-        with torch.enable_grad():
-            before = check_error()
-            for step in range(steps):
-                loss = error(train[step % len(train)])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            after = check_error()
-        kept = after < before
-        if not kept:
-            with torch.no_grad():
-                for t in tuned:
-                    t.theta.zero_()
-                for p, p0 in zip(vectors, initial):
-                    p.copy_(p0)
-    finally:
-        for t in tuned:
-            t.finish()
-        for p in block.parameters():
-            p.requires_grad_(grad_before[id(p)])
+    dtype = torch.float32 if hidden[0].device.type == "cpu" else hidden[0].dtype
+    before, after, kept = _adam_tune(block, dtype, lr, steps, lambda step: error(train[step % len(train)]),
+                                     lambda: sum(float(error(i)) for i in check) / len(check))
     return {"error_before": before, "error_after": after, "kept": kept}
 
 
