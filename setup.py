@@ -7,6 +7,8 @@ from setuptools.command.editable_wheel import editable_wheel
 # The start-up hook (turboquant_hf/turboquant_hf_autoload.py): a line Python runs from site-packages at start-up.
 PTH_NAME = "turboquant_hf.pth"
 PTH_LINE = "import turboquant_hf_autoload; turboquant_hf_autoload.install()\n"
+# The package's folders, in the order of its layers (docs/architecture.md).
+SUBPACKAGES = ["format", "modeling", "quantization", "calibration", "reporting", "integration", "conversion", "cli"]
 
 
 class build_py_with_pth(build_py):
@@ -53,7 +55,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["turboquant_hf", "turboquant_hf.kernels", "turboquant_hf.model_cards"],
+    packages=["turboquant_hf", *(f"turboquant_hf.{sub}" for sub in SUBPACKAGES), "turboquant_hf.kernels",
+              "turboquant_hf.model_cards"],
     py_modules=["turboquant_hf_autoload"],
     package_dir={
         "": "turboquant_hf",  # (the top-level start-up module lives in the package's folder)
@@ -61,7 +64,7 @@ setup(
         "turboquant_hf.kernels": "kernels",
         "turboquant_hf.model_cards": "model_cards",
     },
-    package_data={"turboquant_hf": ["cpu_kernel.c"], "turboquant_hf.model_cards": ["*.jinja"]},
+    package_data={"turboquant_hf.modeling": ["cpu_kernel.c"], "turboquant_hf.model_cards": ["*.jinja"]},
     cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},
     install_requires=[
         "torch>=2.4",

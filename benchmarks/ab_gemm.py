@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 
+import bench_linear as B
 import torch
 import torch.nn.functional as F
-
-import bench_linear as B
-from turboquant_hf import format as fmt
 from turboquant_hf.kernels import tuning as T
+
+from turboquant_hf.format import constants as fmt
 
 SHAPES = (("4096x4096", 4096, 4096), ("4096->6144 (q/k/v)", 4096, 6144), ("4096->28672 (gate/up)", 4096, 28672),
           ("14336->4096 (down)", 14336, 4096), ("2048->1024 (expert)", 2048, 1024),

@@ -46,14 +46,14 @@ import time
 import torch
 import transformers
 import triton
+from turboquant_hf.kernels import moe as KM
 
 import turboquant_hf  # noqa: F401
-from turboquant_hf import codec
-from turboquant_hf.fusion import fuse_projections
-from turboquant_hf.modules import TurboQuantExperts, TurboQuantWeight
-from turboquant_hf.recipes import get_recipe
-from turboquant_hf.kernels import moe as KM
-from turboquant_hf.sizing import apply_plan
+from turboquant_hf.format import codec
+from turboquant_hf.integration.fusion import fuse_projections
+from turboquant_hf.modeling.modules import TurboQuantExperts, TurboQuantWeight
+from turboquant_hf.quantization.recipes import get_recipe
+from turboquant_hf.reporting.sizing import apply_plan
 
 DEV = "cuda"
 
@@ -101,7 +101,7 @@ def _moe_modules(family: str, e: int, h: int, inter: int, g: int):
     """(transformers' bf16 experts module with random weights, its config, {tier: TurboQuantExperts of the same
     weights}) for `family`: Qwen3.5-MoE's `[E, 2I, H]` experts, or gpt-oss's transposed, interleaved, biased experts
     with the clamped SwiGLU."""
-    from turboquant_hf.experts_layout import ExpertsLayout
+    from turboquant_hf.modeling.experts_layout import ExpertsLayout
 
     torch.manual_seed(0)
     if family == "gpt_oss":
@@ -123,7 +123,9 @@ def _moe_modules(family: str, e: int, h: int, inter: int, g: int):
         activation = "silu"
     else:
         from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+            Qwen3_5MoeExperts,
+        )
 
         cfg = Qwen3_5MoeTextConfig(hidden_size=h, moe_intermediate_size=inter, num_experts=e)
         base = Qwen3_5MoeExperts(cfg).to(DEV, torch.bfloat16)
@@ -520,7 +522,8 @@ def main() -> int:
     ap.add_argument("--compile", nargs="*", default=[], metavar="MODEL",
                     help="also time these models with the forward compiled (torch.compile) before capture")
     ap.add_argument("--fuse", action="store_true",
-                    help="also time each recipe with q/k/v and gate/up fused (turboquant_hf.fusion.fuse_projections)")
+                    help="also time each recipe with q/k/v and gate/up fused "
+                         "(turboquant_hf.integration.fusion.fuse_projections)")
     ap.add_argument("--profile-moe", action="store_true",
                     help="only profile the quantized MoE layer at 2048 tokens (torch.profiler tables) and exit")
     ap.add_argument("--prefill", nargs="*", type=int, default=[], metavar="N",

@@ -46,12 +46,14 @@ import types
 
 import torch
 import torch.nn.functional as F
-
 import triton
-from turboquant_hf import codec, layout, ops
-from turboquant_hf import format as fmt
 from turboquant_hf.kernels import linear as L
 from turboquant_hf.kernels import tuning as T
+
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.format import runtime_layout as layout
+from turboquant_hf.modeling import ops
 
 # (label, in_features K, out_features N)
 SHAPES = [
@@ -63,7 +65,7 @@ SHAPES = [
     ("2048x8192", 2048, 8192),
     ("512->2048 (expert down)", 512, 2048),
 ]
-# what `turboquant_hf.fusion` makes of sibling projections at load (for --sweep-pairs --fused): Llama-3.1-8B's
+# what `integration.fusion` makes of sibling projections at load (for --sweep-pairs --fused): Llama-3.1-8B's
 # q/k/v and gate/up, Qwen3.6-35B-A3B's gated-delta-net in_proj_qkv/z/b/a and attention q/k/v
 FUSED_SHAPES = [
     ("4096->6144 (q/k/v fused)", 4096, 6144),
@@ -570,7 +572,7 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
            "way); median of 30; every output checked "
            "against the float32 torch reference before and after timing (rel. error column). Ours reads the packed "
            "indices in the layout TurboQuantLinear holds on a GPU (2- and 3-bit: the runtime layout, "
-           "`turboquant_hf.layout`, same bytes rearranged; 4-bit: the same bytes as sign-magnitude codes of the "
+           "`format.runtime_layout`, same bytes rearranged; 4-bit: the same bytes as sign-magnitude codes of the "
            "symmetric codebook; ternary: the runtime layout's 2-bit codes, 32 instead of 26 bytes per group) and the "
            "norms in the dtype it stores (float16 for ternary, else float32); the peer always gets the published "
            "bytes.",

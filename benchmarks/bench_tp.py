@@ -32,8 +32,8 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_e2e  # noqa: E402
 
-from turboquant_hf.recipes import get_recipe  # noqa: E402
-from turboquant_hf.tensor_parallel import local_state_bytes  # noqa: E402
+from turboquant_hf.integration.tensor_parallel import local_state_bytes  # noqa: E402
+from turboquant_hf.quantization.recipes import get_recipe  # noqa: E402
 
 MANIFEST = "bench_tp.json"
 

@@ -28,10 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_assets import EVALUATION_PLAYS, gemma3_base, shakespeare_text
 from quality import calibration_file
 
-from turboquant_hf import TurboQuantConfig, budget
-from turboquant_hf.calibration_data import calibration_batches
-from turboquant_hf.config import CalibrationConfig
-from turboquant_hf.evaluation import compare_on_text, tokenize_text
+from turboquant_hf import TurboQuantConfig
+from turboquant_hf.calibration import budget
+from turboquant_hf.calibration.data import calibration_batches
+from turboquant_hf.quantization.config import CalibrationConfig
+from turboquant_hf.reporting.evaluation import compare_on_text, tokenize_text
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ Sensitivities are measured on Shakespeare plays other than Hamlet and Macbeth (o
 every allocation is evaluated by mean KL(base || quantized) of the next-token distributions on Hamlet + Macbeth
 (the project's evaluation text). Round-to-nearest rounding, G = 128, base and quantized models in float32 on CPU
 (each quantized weight replaced by its TurboQuant reconstruction, the same numbers the packed model computes).
-Budgets are stored bits per quantized weight, group norms included (turboquant_hf.budget).
+Budgets are stored bits per quantized weight, group norms included (turboquant_hf.calibration.budget).
 """
 
 from __future__ import annotations
@@ -36,8 +36,13 @@ from offline_assets import (
     smollm2_base,
 )
 
-from turboquant_hf import TurboQuantConfig, budget
-from turboquant_hf.evaluation import compare_log_probs, tokenize_text, window_log_probs
+from turboquant_hf import TurboQuantConfig
+from turboquant_hf.calibration import budget
+from turboquant_hf.reporting.evaluation import (
+    compare_log_probs,
+    tokenize_text,
+    window_log_probs,
+)
 
 RULE = (r"\.v_proj$", r"\.down_proj$")
 MODELS = {"smollm2": smollm2_base, "gemma3": gemma3_base}

@@ -21,11 +21,12 @@ from offline_assets import EVALUATION_PLAYS, shakespeare_text, smollm2_base
 from quality import calibration_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from turboquant_hf import TurboQuantConfig, planning
-from turboquant_hf.calibration import calibrate_model, rtn_quantize
-from turboquant_hf.calibration_data import calibration_batches
-from turboquant_hf.config import CalibrationConfig
-from turboquant_hf.evaluation import compare_on_text, tokenize_text
+from turboquant_hf import TurboQuantConfig
+from turboquant_hf.calibration.data import calibration_batches
+from turboquant_hf.calibration.sequential import calibrate_model, rtn_quantize
+from turboquant_hf.quantization import planning
+from turboquant_hf.quantization.config import CalibrationConfig
+from turboquant_hf.reporting.evaluation import compare_on_text, tokenize_text
 
 d = smollm2_base()
 base = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(); tok = AutoTokenizer.from_pretrained(d)

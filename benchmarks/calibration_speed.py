@@ -30,9 +30,10 @@ import time
 import torch
 import transformers
 
-from turboquant_hf import TurboQuantConfig, planning
-from turboquant_hf.calibration import calibrate_model, rtn_quantize
-from turboquant_hf.config import CalibrationConfig
+from turboquant_hf import TurboQuantConfig
+from turboquant_hf.calibration.sequential import calibrate_model, rtn_quantize
+from turboquant_hf.quantization import planning
+from turboquant_hf.quantization.config import CalibrationConfig
 
 SHAPES = {
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -1,4 +1,4 @@
-"""Speed of the streaming converter (`turboquant_hf.streaming.StreamingQuantizer`) on a synthetic Llama checkpoint.
+"""Speed of the streaming converter (`conversion.streaming.StreamingQuantizer`) on a synthetic Llama checkpoint.
 
 Writes a bf16 checkpoint with real layer shapes (hidden 2048, intermediate 5632, 32 heads, 4 KV heads, vocabulary
 32000: about 44M weights a layer) and random values, then measures on the chosen device:
@@ -78,7 +78,7 @@ def write_synthetic_llama(directory: str, layers: int, shard_bytes: int = 2 * 10
     Values are random (std 0.02; norms 1); each shape draws `variants` random tensors that the layers take in
     turn, so that writing a large checkpoint costs little more than the disk. Returns {"bytes", "params",
     "largest_tensor_bytes"}."""
-    from turboquant_hf.shards import ShardWriter
+    from turboquant_hf.format.shards import ShardWriter
 
     dims = dict(SHAPES, **shape)
     os.makedirs(directory, exist_ok=True)
@@ -146,7 +146,7 @@ def drop_caches() -> bool:
 
 def measure_read(src: str) -> float:
     """Seconds to read every tensor byte of the checkpoint with the converter's reader."""
-    from turboquant_hf.shards import SourceReader, source_index
+    from turboquant_hf.format.shards import SourceReader, source_index
 
     reader = SourceReader()
     start = time.perf_counter()
@@ -160,8 +160,8 @@ def measure_read(src: str) -> float:
 def measure_quantize_on_device(device: torch.device, bits: int, group_size: int, repeats: int) -> tuple[float, int]:
     """(seconds, params) to quantize one layer's weight matrices `repeats` times, from tensors already on
     `device`, in the converter's slices."""
-    from turboquant_hf.codec import GroupQuantizer
-    from turboquant_hf.streaming import CPU_SLICE, CUDA_SLICE
+    from turboquant_hf.conversion.streaming import CPU_SLICE, CUDA_SLICE
+    from turboquant_hf.format.codec import GroupQuantizer
 
     gen = torch.Generator().manual_seed(1)
     shapes = [s for n, s in llama_tensors(1, **SHAPES) if ".layers." in n and len(s) == 2]
@@ -224,7 +224,7 @@ def verify_against_cpu(work: str, device: torch.device, bits, group_size: int) -
     many small slices (a --max-memory of the largest tensor), with `bits` and ternary: the files that differ
     from the CPU's, as "config: file" (empty: the same bytes)."""
     from turboquant_hf import TurboQuantConfig
-    from turboquant_hf.streaming import StreamingQuantizer
+    from turboquant_hf.conversion.streaming import StreamingQuantizer
 
     src = os.path.join(work, "verify-src")
     meta = write_synthetic_llama(src, 1, vocab=4000)
@@ -289,8 +289,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from turboquant_hf import TurboQuantConfig
-    from turboquant_hf.card import human_bytes, human_count
-    from turboquant_hf.streaming import StreamingQuantizer
+    from turboquant_hf.conversion.streaming import StreamingQuantizer
+    from turboquant_hf.reporting.card import human_bytes, human_count
 
     device = torch.device(args.device)
     work = args.work_dir or tempfile.mkdtemp(prefix="tq-convert-speed-")

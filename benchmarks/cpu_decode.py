@@ -8,7 +8,7 @@ models' runs interleaved, median of the repeats. Layer: a 14336x4096 Gaussian we
 shape) quantized with G=128, `TurboQuantLinear` against bf16 `F.linear` on bf16 activations of M = 1 and 16 rows,
 interleaved, median of the repeats. MoE: the routed-experts op at one token (8 of 32 experts of Qwen3-30B-A3B's
 shapes), the compiled kernel against the torch reference. Prints tokens per second or milliseconds, and the ratio
-(> 1: faster), with the path the CPU product ran on (`turboquant_hf.cpu_kernel.status()`).
+(> 1: faster), with the path the CPU product ran on (`turboquant_hf.modeling.cpu_kernel.status()`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from offline_assets import smollm2_base
 
 import turboquant_hf  # noqa: F401
-from turboquant_hf import TurboQuantConfig, codec, cpu_kernel
-from turboquant_hf import format as fmt
-from turboquant_hf.modules import TurboQuantLinear, quantize_linear_
+from turboquant_hf import TurboQuantConfig
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.modeling import cpu_kernel
+from turboquant_hf.modeling.modules import TurboQuantLinear, quantize_linear_
 
 
 def decode_rate(model, prompt, new_tokens: int) -> float:

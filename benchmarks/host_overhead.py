@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from turboquant_hf import TurboQuantLinear
-from turboquant_hf.modules import quantize_linear_
+from turboquant_hf.modeling.modules import quantize_linear_
 
 
 def host_us(fn, calls: int) -> float:

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 
+import bench_linear as B
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-import bench_linear as B
 from turboquant_hf.kernels import gemm as GM
 from turboquant_hf.kernels import linear as L
 
@@ -102,10 +101,11 @@ def dense(args) -> None:
 
 
 def moe(args) -> None:
-    from turboquant_hf import codec
-    from turboquant_hf import format as fmt
-    from turboquant_hf import layout
     from turboquant_hf.kernels import moe as KM
+
+    from turboquant_hf.format import codec
+    from turboquant_hf.format import constants as fmt
+    from turboquant_hf.format import runtime_layout as layout
 
     e, topk, h, inter, g, t = 256, 8, 2048, 512, 128, args.moe_tokens
     torch.manual_seed(0)

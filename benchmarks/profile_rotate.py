@@ -7,13 +7,13 @@ rows a program (`tuning.ROTATE_BM`); CUDA-graph replays, bf16 `F.linear` in the 
 
 from __future__ import annotations
 
+import bench_linear as B
 import torch
 import torch.nn.functional as F
-
-import bench_linear as B
-from turboquant_hf import format as fmt
 from turboquant_hf.kernels import linear as L
 from turboquant_hf.kernels import tuning as T
+
+from turboquant_hf.format import constants as fmt
 
 VARIANTS = (("rows", 1 << 30, 0), ("mma16", 0, 16), ("mma32", 0, 32), ("mma64", 0, 64))
 

@@ -57,8 +57,8 @@ from offline_assets import (
 
 import turboquant_hf  # registers the quantizer
 from turboquant_hf import TurboQuantConfig
-from turboquant_hf.config import CalibrationConfig
-from turboquant_hf.evaluation import compare_on_text, tokenize_text
+from turboquant_hf.quantization.config import CalibrationConfig
+from turboquant_hf.reporting.evaluation import compare_on_text, tokenize_text
 
 MODELS = {"smollm2": ("SmolLM2-135M-Instruct", smollm2_base), "gemma3": ("Gemma-3-270M", gemma3_base),
           "minilm": ("all-MiniLM-L6-v2", minilm_base)}
@@ -94,8 +94,8 @@ def load_direct(auto_class, base_dir: str, config: TurboQuantConfig):
     rounding as quantizing on load with a calibration, without the loader's integration), with its record."""
     from transformers import AutoTokenizer
 
-    from turboquant_hf.calibration import calibrate_model
-    from turboquant_hf.calibration_data import calibration_batches, describe
+    from turboquant_hf.calibration.data import calibration_batches, describe
+    from turboquant_hf.calibration.sequential import calibrate_model
 
     model = auto_class.from_pretrained(base_dir, dtype=torch.float32)
     if config.calibration is None or config.target_bits_per_weight is not None:
@@ -201,7 +201,7 @@ def calibrated_on_sentences(row: dict, base_dir: str, bits, tok, count: int):
     plays (a list of strings given to `CalibrationConfig` is joined into one stream and cut into windows instead)."""
     from transformers import AutoModel
 
-    from turboquant_hf.calibration import calibrate_model
+    from turboquant_hf.calibration.sequential import calibrate_model
 
     t = time.perf_counter()
     model = AutoModel.from_pretrained(base_dir, dtype=torch.float32)

@@ -25,7 +25,11 @@ from offline_assets import shakespeare_text, smollm2_base  # noqa: E402
 
 import turboquant_hf  # noqa: E402,F401
 from turboquant_hf import TurboQuantConfig  # noqa: E402
-from turboquant_hf.evaluation import compare_log_probs, tokenize_text, window_log_probs  # noqa: E402
+from turboquant_hf.reporting.evaluation import (  # noqa: E402
+    compare_log_probs,
+    tokenize_text,
+    window_log_probs,
+)
 
 
 def reference_model(base, bits: int, group_size: int):

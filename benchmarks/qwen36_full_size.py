@@ -24,10 +24,10 @@ import torch
 import transformers
 
 import turboquant_hf  # noqa: F401
-from turboquant_hf import codec
-from turboquant_hf.modules import TurboQuantWeight
-from turboquant_hf.recipes import get_recipe
-from turboquant_hf.sizing import apply_plan, size_report
+from turboquant_hf.format import codec
+from turboquant_hf.modeling.modules import TurboQuantWeight
+from turboquant_hf.quantization.recipes import get_recipe
+from turboquant_hf.reporting.sizing import apply_plan, size_report
 
 
 def _sync(device: str) -> None:
@@ -36,7 +36,10 @@ def _sync(device: str) -> None:
 
 
 def build(recipe: str, device: str, config=None):
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe import (
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+    )
 
     config = config or Qwen3_5MoeTextConfig()  # the 35B-A3B defaults: 40 layers, 256 experts, hidden 2048
     with torch.device("meta"):

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from turboquant_hf import TurboQuantConfig
-from turboquant_hf.config import CalibrationConfig
-from turboquant_hf.streaming import StreamingQuantizer
+from turboquant_hf.conversion.streaming import StreamingQuantizer
+from turboquant_hf.quantization.config import CalibrationConfig
 
 d = smollm2_base()
 shutil.rmtree(out, ignore_errors=True); os.makedirs(out)

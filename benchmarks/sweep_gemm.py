@@ -18,14 +18,14 @@ import argparse
 import json
 import sys
 
+import bench_linear as B
 import torch
 import torch.nn.functional as F
-
-import bench_linear as B
-from turboquant_hf import format as fmt
 from turboquant_hf.kernels import gemm as GM
 from turboquant_hf.kernels import linear as L
 from turboquant_hf.kernels import tuning as T
+
+from turboquant_hf.format import constants as fmt
 
 
 def _n_buffers(nbytes: int, m: int) -> int:

@@ -14,11 +14,11 @@ import math
 import time
 
 import torch
+from offline_assets import shakespeare_text, smollm2_base
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import turboquant_hf.lora as tq_lora
-from offline_assets import shakespeare_text, smollm2_base
 from turboquant_hf import TurboQuantConfig
 from turboquant_hf.evaluation import tokenize_text
 

@@ -19,7 +19,14 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .gemv_mma import _mma_pairs, _mma_pairs2, _mma_scale, _mma_values, _mma_words, _norm_pattern
+from .gemv_mma import (
+    _mma_pairs,
+    _mma_pairs2,
+    _mma_scale,
+    _mma_values,
+    _mma_words,
+    _norm_pattern,
+)
 from .launch import bind, cdiv, launch, memo, next_power_of_2, triton_version
 from .lut import _byte_tables, _unit_nibbles
 from .ptx import _TOP3_ASM

@@ -8,8 +8,8 @@
   program (`_mid_config`) for 16-bit activations and 2-, 3- and 4-bit weights;
 - above: `dequantize_lut` / `dequantize_rotated` (`prefill.py`) write the weight for cuBLAS.
 
-The kernels read the packed indices (`turboquant_hf.codec.pack_indices`, or the runtime layout of
-`turboquant_hf.layout`) in units holding a whole number of indices (`unit_geometry`). Every launcher is a plain
+The kernels read the packed indices (`turboquant_hf.format.codec.pack_indices`, or the runtime layout of
+`format.runtime_layout`) in units holding a whole number of indices (`unit_geometry`). Every launcher is a plain
 Python function over torch tensors, so the same code runs under `TRITON_INTERPRET=1` on CPU tensors; none
 synchronises with the host or allocates more than its output, the intermediate activations and (prefill) the
 scratch weight.
@@ -23,8 +23,18 @@ import torch
 import triton
 
 from . import gemm, tuning
-from .configs import (_dot_config, _fma_config, _mid_config, _mma_block, _mma_serves, _pair_config,  # noqa: F401
-                      _rows_config, lut_levels, lut_unit, unit_geometry)
+from .configs import (  # noqa: F401
+    _dot_config,
+    _fma_config,
+    _mid_config,
+    _mma_block,
+    _mma_serves,
+    _pair_config,
+    _rows_config,
+    lut_levels,
+    lut_unit,
+    unit_geometry,
+)
 from .gemv_fma import _gemv_fma_kernel
 from .gemv_mma import _gemv_dot_kernel, _gemv_mma_kernel
 from .gemv_pairs import _gemv_pair_kernel, _pack_pairs_kernel
@@ -44,7 +54,7 @@ def _hadamard_pm1(g: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     """The (G, G) Sylvester Hadamard matrix, +-1 entries, in `dtype` on `device` (built once per key)."""
     key = (g, dtype, str(device))
     if key not in _HADAMARD:
-        from turboquant_hf import codec
+        from turboquant_hf.format import codec
 
         _HADAMARD[key] = codec.hadamard_matrix(g).to(dtype=dtype, device=device).contiguous()
     return _HADAMARD[key]
@@ -498,7 +508,7 @@ def _interpreting() -> bool:
 
 
 def _runtime_layout(packed: torch.Tensor, n_levels: int, signed: bool = False) -> bool:
-    """Whether a kernel reads `packed` as the runtime layout (int32 words, `turboquant_hf.layout`) rather than
+    """Whether a kernel reads `packed` as the runtime layout (int32 words, `format.runtime_layout`) rather than
     the published byte layout (uint8). 4-bit words keep their nibbles where the published bytes have them and
     hold sign-magnitude codes: only kernels whose lookups take the sign from the top bit (`signed`: the
     tensor-core and pair GEMVs) treat them differently; the others read their nibbles with the runtime codebook
@@ -544,7 +554,7 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
             group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
     """Already-rotated activations `(M, n_groups*G)` times the packed weight -> `(M, rows)` in `out_dtype`.
 
-    The codebook product alone (the CUDA side of `turboquant_hf.ops.codebook_matmul`): any rotation of
+    The codebook product alone (the CUDA side of `turboquant_hf.modeling.ops.codebook_matmul`): any rotation of
     the activations (per-group WHT, whole-row Hadamard, ...) can feed it. `norms` are per-group scales
     and `codebook` the values they multiply, both tensors, so per-module codebooks work unchanged."""
     m = x_rot.shape[0]
@@ -578,7 +588,7 @@ def product(x_rot: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, code
 
 def linear(x: torch.Tensor, packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tensor,
            signs1: torch.Tensor, signs2: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
-    """The whole op through the Triton kernels (same contract as `turboquant_hf.ops.turboquant_linear`)."""
+    """The whole op through the Triton kernels (same contract as `turboquant_hf.modeling.ops.turboquant_linear`)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     m = x2.shape[0]

@@ -42,16 +42,17 @@ import triton
 import triton.language as tl
 
 from . import gemm
-from .gemm import _routed_block
 from . import linear as L
 from . import tuning as T
+from .gemm import _routed_block
 from .launch import cdiv, launch, next_power_of_2
 from .lut import _byte_tables
 from .prefill import _lut_tile
 from .units import _load_units
 
+
 def _activation(name: str):
-    from turboquant_hf.activations import ACTIVATIONS
+    from turboquant_hf.modeling.activations import ACTIVATIONS
 
     return ACTIVATIONS[name]
 
@@ -121,7 +122,7 @@ def act_mul(gu: torch.Tensor, inter: int, activation: str, out_dtype: torch.dtyp
     code = _ACT_CODES.get(activation)
     bias = epi.gate_up_bias
     if code is None or gu.stride(-1) != 1 or (bias is not None and bias.stride(-1) != 1):
-        from turboquant_hf.activations import gated
+        from turboquant_hf.modeling.activations import gated
 
         gf = gu.float() if bias is None else gu.float() + bias[experts.long()].float()
         return gated(gf, activation, epi.interleaved, epi.alpha, epi.limit).to(out_dtype)
@@ -197,7 +198,7 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
                 down_packed, down_norms, down_codebook, signs1, signs2, group_size: int, num_experts: int,
                 activation: str, gate_up_bias=None, down_bias=None, interleaved: bool = False, alpha: float = 1.0,
                 limit: float = 0.0) -> torch.Tensor:
-    from turboquant_hf.activations import check_activation
+    from turboquant_hf.modeling.activations import check_activation
 
     check_activation(activation, limit)
     t, h = hidden.shape
@@ -234,7 +235,7 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_packed, gate_up_norm
 def _pair_gate(gu: torch.Tensor, idx: torch.Tensor, e: int, activation: str, epi: Epilogue) -> torch.Tensor:
     """The routed pairs' `act(gate) * up` (float32) from their gate/up rows `gu` (row p: pair p, of expert idx[p]),
     the gate/up bias added first where there is one."""
-    from turboquant_hf.activations import gated
+    from turboquant_hf.modeling.activations import gated
 
     if epi.gate_up_bias is not None:
         gu = gu + epi.gate_up_bias[idx.clamp(0, e - 1)].float()  # (a pair routed nowhere: its result is unused)
@@ -385,7 +386,7 @@ def _prefill_plan(hidden, top_k_index, e: int, widest: int, per_expert: int, wdt
     pairs are at least as many as the experts and every expert's largest matrix fits `tuning.PREFILL_SCRATCH_BYTES` at
     once; otherwise the counts come to the host (`routing.expert_groups`, one synchronisation) and the routed experts
     are decoded in chunks of `per_expert`-sized experts that fit."""
-    from turboquant_hf.routing import expert_groups
+    from turboquant_hf.modeling.routing import expert_groups
 
     t, k = top_k_index.shape
     nbytes = torch.finfo(wdt).bits // 8
@@ -514,8 +515,8 @@ def _pairs(x, idx, x_div, packed, norms, codebook, s1, s2, g, e, unit):
 
 def _grouped(hidden, top_k_index, top_k_weights, gu_packed, gu_norms, gu_cb, d_packed, d_norms, d_cb, s1, s2,
              g, e, activation, inter, epi: Epilogue = PLAIN):
-    from turboquant_hf.activations import gated
-    from turboquant_hf.routing import routed_groups
+    from turboquant_hf.modeling.activations import gated
+    from turboquant_hf.modeling.routing import routed_groups
 
     t, h = hidden.shape
     dt = hidden.dtype  # the products run in the activations' dtype (float32 accumulation); sums in float32
@@ -550,7 +551,8 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
     ternary in its runtime layout): the rotations in torch, once per token, and the routed experts' rotated-basis
     matrices decoded in chunks for grouped products (`_hadamard_grouped_decoded`). Otherwise, and for groups
     smaller than a kernel unit (3-bit groups of 16), the torch reference, which groups tokens by expert."""
-    from turboquant_hf import ops, rotation
+    from turboquant_hf.format import hadamard as rotation
+    from turboquant_hf.modeling import ops
 
     t, h = hidden.shape
     k = top_k_index.shape[1]
@@ -595,7 +597,7 @@ def _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e):
     """What both prefills of whole-row-Hadamard experts start from: (intermediate width, gate/up and down group
     sizes, the products' operand dtype, the tokens rotated with the gate's signs and with the up projection's
     (the same tensor where the signs are), in float32)."""
-    from turboquant_hf import rotation
+    from turboquant_hf.format import hadamard as rotation
 
     h = hidden.shape[1]
     inter = gate_norms.shape[0] // e
@@ -613,7 +615,7 @@ def _hadamard_fused_routed(hidden, top_k_index, top_k_weights, gate_packed, gate
     tokens rotated once per projection's signs, the pairs sorted by expert on the device, gate and up products
     reading each pair's token row directly, the intermediate rows rotated with the down projection's signs, the
     down product, `combine`. No host synchronisation and no scratch buffer."""
-    from turboquant_hf import rotation
+    from turboquant_hf.format import hadamard as rotation
 
     _, g_h, g_i, wdt, xg, xu = _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e)
     tok, pos, _, offs = _device_routing(top_k_index, e)
@@ -634,7 +636,7 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     expert), the routed experts' rotated-basis matrices (`norm * codebook[idx]`) decoded in chunks of at most
     `tuning.PREFILL_SCRATCH_BYTES`, grouped products as in `_grouped_decoded`, the intermediate rows rotated with
     the down projection's signs between the two."""
-    from turboquant_hf import rotation
+    from turboquant_hf.format import hadamard as rotation
 
     h = hidden.shape[1]
     inter, g_h, g_i, wdt, xg, xu = _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e)

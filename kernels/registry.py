@@ -1,8 +1,8 @@
 """Registration of the Triton kernels as the CUDA implementations of the `turboquant` torch ops.
 
 Importing `turboquant_hf.kernels` (this module through the package's `__init__`) registers the Triton kernels in `linear.py` and `moe.py` as the
-CUDA implementations of `torch.ops.turboquant.linear` and `torch.ops.turboquant.moe_experts` (`turboquant_hf.modules`
-imports it after `turboquant_hf.ops`; ops does not import it). Registration needs only that the `triton` package can be found;
+CUDA implementations of `torch.ops.turboquant.linear` and `torch.ops.turboquant.moe_experts` (`modeling.modules`
+imports it after `modeling.ops`; ops does not import it). Registration needs only that the `triton` package can be found;
 triton itself is imported lazily, on the first call with CUDA tensors, so
 importing this package on a machine without triton or without CUDA works and
 leaves the plain-torch reference as the implementation for every device. The
@@ -32,7 +32,7 @@ def _cuda_linear(x, packed, norms, codebook, signs1, signs2, group_size, in_feat
 
 def _cuda_hadamard_linear(x, packed, norms, codebook, signs, group_size, in_features):
     # whole-row Hadamard rotation (turboquant-mlx checkpoints) in torch, then the same codebook product
-    from turboquant_hf import rotation
+    from turboquant_hf.format import hadamard as rotation
 
     from . import linear
 
@@ -43,7 +43,7 @@ def _cuda_hadamard_linear(x, packed, norms, codebook, signs, group_size, in_feat
     x_rot = rotation.rotate_rows(x2.float(), signs.float())
     if codebook.numel() == 8 and group_size < 32:
         # (3-bit groups of 16 are not whole units of the kernels: the reference product serves them)
-        from turboquant_hf import ops
+        from turboquant_hf.modeling import ops
 
         y = ops.codebook_matmul(x_rot, packed, norms.float(), codebook.float(), group_size).to(x.dtype)
     else:
@@ -88,8 +88,8 @@ def register() -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     if not hasattr(torch.ops.turboquant, "linear"):
-        # the op is defined in turboquant_hf.ops (which does not import this package)
-        from turboquant_hf import ops  # noqa: F401
+        # the op is defined in turboquant_hf.modeling.ops (which does not import this package)
+        from turboquant_hf.modeling import ops  # noqa: F401
     global _LIB
     # (a Library's own `impl`: `torch.library.register_kernel` would put a Python wrapper in front of every call)
     _LIB = torch.library.Library("turboquant", "IMPL")

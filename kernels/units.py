@@ -13,7 +13,7 @@ import triton.language as tl
 @triton.jit
 def _extract(w0, w1, w2, J: tl.constexpr, NLEV: tl.constexpr, RUNTIME_LAYOUT: tl.constexpr):
     """Index number J of a unit (uint32 words w0..w2, or a byte for ternary) as int32; RUNTIME_LAYOUT: the units
-    are in the runtime layout (`turboquant_hf.layout`)."""
+    are in the runtime layout (`turboquant_hf.format.runtime_layout`)."""
     if RUNTIME_LAYOUT and NLEV == 4:
         if J < 8:
             v = (w0 >> (4 * J)) & 3

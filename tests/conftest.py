@@ -81,10 +81,25 @@ def spread_weights_(model, std: float = 0.05):
     return model
 
 
-def tiny_qwen3_5_moe_model(seed: int = 0):
-    """The tiny multimodal Qwen3.5-MoE of test_moe, weights spread (`spread_weights_`), in bfloat16."""
-    from test_moe import qwen3_5_moe
+def qwen3_5_moe():
+    """A tiny multimodal Qwen3.5-MoE (8 experts, top 2, hidden 128, expert width 64) built from config."""
+    from transformers.models.qwen3_5_moe import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
 
+    text = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=8,
+                num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                linear_value_head_dim=40,  # out_proj reads 4 x 40 = 160 inputs: not a multiple of G
+                linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256)
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision))
+
+
+def tiny_qwen3_5_moe_model(seed: int = 0):
+    """The tiny multimodal Qwen3.5-MoE (`qwen3_5_moe`), weights spread (`spread_weights_`), in bfloat16."""
     torch.manual_seed(seed)
     return spread_weights_(qwen3_5_moe()).to(torch.bfloat16)
 

@@ -67,6 +67,14 @@ def codec_digests():
                 yield f"codec bits={bits} G={g} {dtype}", digest(packed, norms, back)
 
 
+def _runtime_layout():
+    try:
+        from turboquant_hf.format import runtime_layout
+    except ImportError:  # a tree from before the package had subfolders
+        from turboquant_hf import layout as runtime_layout
+    return runtime_layout
+
+
 def _streaming_quantizer(source: str):
     try:
         from turboquant_hf.streaming import StreamingQuantizer
@@ -77,8 +85,7 @@ def _streaming_quantizer(source: str):
 
 def model_digests():
     sys.path.insert(0, HERE)
-    from conftest import tiny_llama_config
-    from test_moe import qwen3_5_moe
+    from conftest import qwen3_5_moe, tiny_llama_config
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from turboquant_hf import TurboQuantConfig
@@ -143,8 +150,10 @@ def tuned(**values):
 def _weight(shape, bits, g: int, seed: int, runtime: bool = False):
     """(packed, norms, codebook the kernels read it with, signs1, signs2) of a random weight, in the runtime
     layout when `runtime`."""
-    from turboquant_hf import codec, layout
+    from turboquant_hf import codec
     from turboquant_hf import format as fmt
+
+    layout = _runtime_layout()
 
     packed, norms = codec.quantize_weight(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)), bits, g)
     nl = fmt.levels_for_bits(bits)
@@ -158,7 +167,8 @@ def _weight(shape, bits, g: int, seed: int, runtime: bool = False):
 
 def _layouts(bits, g: int):
     from turboquant_hf import format as fmt
-    from turboquant_hf import layout
+
+    layout = _runtime_layout()
 
     return (False, True) if layout.supports(fmt.levels_for_bits(bits), g) else (False,)
 
@@ -239,8 +249,10 @@ def launcher_digests():
 def moe_digests():
     from turboquant_hf.kernels import moe
 
-    from turboquant_hf import codec, layout
+    from turboquant_hf import codec
     from turboquant_hf import format as fmt
+
+    layout = _runtime_layout()
 
     e, h, inter, g = 6, 128, 64, 64
     for bits, runtime in ((3, True), (4, False), (4, True), (fmt.TERNARY, False), (fmt.TERNARY, True)):
@@ -283,8 +295,10 @@ def _hadamard_moe_digests():
     except ImportError:  # (trees from before the registration moved into kernels/registry.py)
         from turboquant_hf.kernels import _cuda_hadamard_linear
 
-    from turboquant_hf import codec, layout
+    from turboquant_hf import codec
     from turboquant_hf import format as fmt
+
+    layout = _runtime_layout()
 
     e, h, inter, g = 5, 192, 128, 64
     for tiers in ((3, 3, 3), (fmt.TERNARY, fmt.TERNARY, 4)):

@@ -58,7 +58,12 @@ def _snapshot() -> dict:
 def _tiny_models(workdir: str):
     """A tiny Llama and a tiny Qwen3-MoE saved in bf16 (transformers only)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -97,7 +102,7 @@ def _work_with_us(dirs: dict, workdir: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import turboquant_hf
-    import turboquant_hf.lora
+    import turboquant_hf.integration.lora
 
     ids = torch.tensor([[1, 5, 9, 17, 33]])
     models = {}
@@ -123,7 +128,8 @@ def _work_with_us(dirs: dict, workdir: str) -> dict:
         peft.get_peft_model(models["llama published"], peft.LoraConfig(r=2, target_modules=["q_proj"]))
     except ValueError:
         pass
-    adapted = turboquant_hf.lora.get_peft_model(models["llama"], peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    adapted = turboquant_hf.integration.lora.get_peft_model(models["llama"],
+                                                            peft.LoraConfig(r=2, target_modules=["q_proj"]))
     adapted(input_ids=ids, labels=ids).loss.backward()
     models["llama reloaded"].dequantize()
     return models

@@ -20,7 +20,7 @@ def main(out: str, cases: list[str]) -> None:
     import turboquant_hf
 
     rank = int(os.environ["RANK"])
-    tp = turboquant_hf.tensor_parallel
+    tp = turboquant_hf.integration.tensor_parallel
     arrived = []  # for each full-precision tensor quantized on the fly: whether the loader read only this rank's slice
     local_source = tp.local_source
 
@@ -55,7 +55,7 @@ def main(out: str, cases: list[str]) -> None:
                 if name.startswith("llama"):  # a static cache is sized by the KV heads of one rank
                     record["generated_static"] = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False,
                                                                 cache_implementation="static")
-            record["packed_bytes"] = turboquant_hf.tensor_parallel.resident_packed_bytes(model)
+            record["packed_bytes"] = turboquant_hf.integration.tensor_parallel.resident_packed_bytes(model)
             record["state_bytes"] = tp.local_state_bytes(model)
             record["read_as_slices"] = (sum(arrived), len(arrived))
             record["experts"] = [m.__dict__["tp_experts"] for m in model.modules() if "tp_experts" in m.__dict__]
@@ -81,8 +81,8 @@ def expert_parallel_config():
 
 def expert_bytes(model) -> int:
     """Packed bytes of the fused experts this rank holds."""
-    from turboquant_hf.modules import TurboQuantExperts
-    from turboquant_hf.tensor_parallel import resident_packed_bytes
+    from turboquant_hf.integration.tensor_parallel import resident_packed_bytes
+    from turboquant_hf.modeling.modules import TurboQuantExperts
 
     return sum(resident_packed_bytes(m) for m in model.modules() if isinstance(m, TurboQuantExperts))
 

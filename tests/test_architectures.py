@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from turboquant_hf import TurboQuantConfig, TurboQuantExperts, TurboQuantLinear, planning
-from turboquant_hf.config import DEFAULT_MODULES_TO_NOT_CONVERT
-from turboquant_hf.modules import linear_kind
+from turboquant_hf import TurboQuantConfig, TurboQuantExperts, TurboQuantLinear
+from turboquant_hf.modeling.modules import linear_kind
+from turboquant_hf.quantization import planning
+from turboquant_hf.quantization.config import DEFAULT_MODULES_TO_NOT_CONVERT
 
 _DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -96,7 +97,6 @@ ARCHS = {
 def build(name: str):
     """The architecture's model from its tiny config, seeded, weights spread, in bfloat16."""
     import transformers
-
     from conftest import spread_weights_
 
     arch = ARCHS[name]

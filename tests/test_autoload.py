@@ -12,7 +12,6 @@ import sys
 import textwrap
 
 import torch
-
 from conftest import make_tokenizer, spread_weights_
 
 

@@ -10,8 +10,9 @@ from conftest import tiny_llama_config
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from turboquant_hf import TurboQuantConfig, budget
-from turboquant_hf.config import CalibrationConfig
+from turboquant_hf import TurboQuantConfig
+from turboquant_hf.calibration import budget
+from turboquant_hf.quantization.config import CalibrationConfig
 
 
 def _batches(n=2, length=32, seed=0):
@@ -230,7 +231,10 @@ def test_statistics_share_the_calibration_hessians():
     """The budget's Hessians are calibrated rounding's: for the first block they equal, bit for bit, what
     `collect_input_hessians` accumulates on that block's captured inputs, modules fed one tensor share one (q, k, v),
     and each is `sum X^T X` of the module's recorded inputs."""
-    from turboquant_hf.calibration import capture_block_inputs, collect_input_hessians
+    from turboquant_hf.calibration.sequential import (
+        capture_block_inputs,
+        collect_input_hessians,
+    )
 
     model = _model()
     batches = _batches(3)
@@ -255,7 +259,7 @@ def test_statistics_share_the_calibration_hessians():
 
 
 def test_cli_target_bits_is_parsed():
-    from turboquant_hf.cli_parser import build_parser
+    from turboquant_hf.cli.parser import build_parser
 
     args = build_parser().parse_args(["quantize", "src", "--out", "o", "--target-bits", "3.6"])
     assert args.target_bits == 3.6
@@ -269,7 +273,7 @@ def test_smollm2_fisher_allocation_beats_the_fixed_rule(smollm2_dir, shakespeare
     from offline_assets import CALIBRATION_PLAYS, shakespeare_text
     from transformers import AutoTokenizer
 
-    from turboquant_hf.evaluation import (
+    from turboquant_hf.reporting.evaluation import (
         compare_log_probs,
         tokenize_text,
         window_log_probs,

@@ -8,17 +8,17 @@ import torch
 from conftest import spread_weights_, tiny_qwen3_5_moe_model
 from transformers import AutoModelForCausalLM
 
-from turboquant_hf import (
-    CalibrationConfig,
-    TurboQuantConfig,
-    TurboQuantLinear,
-    codec,
-    planning,
+from turboquant_hf import CalibrationConfig, TurboQuantConfig, TurboQuantLinear
+from turboquant_hf.calibration.gptq import gptq_rotated, weighted_error
+from turboquant_hf.calibration.sequential import (
+    calibrate_model,
+    resolve_options,
+    rtn_quantize,
 )
-from turboquant_hf import format as fmt
-from turboquant_hf.calibration import calibrate_model, resolve_options, rtn_quantize
-from turboquant_hf.gptq import gptq_rotated, weighted_error
-from turboquant_hf.modules import TurboQuantExperts
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.modeling.modules import TurboQuantExperts
+from turboquant_hf.quantization import planning
 
 
 def _correlated_hessian(n: int, tokens: int = 4096, seed: int = 0) -> torch.Tensor:
@@ -175,7 +175,7 @@ def test_transposed_experts_hessians_follow_transformers_forward(kind):
     input rows, and its `_apply_gate` (gpt-oss) or `act_fn(gate) * up` (Llama 4) outputs."""
     import test_moe
 
-    from turboquant_hf.calibration import InputHessians
+    from turboquant_hf.calibration.sequential import InputHessians
 
     torch.manual_seed(0)
     model = spread_weights_(getattr(test_moe, kind)()).eval()
@@ -266,7 +266,7 @@ def test_smollm2_calibrated_kl_below_round_to_nearest(smollm2_dir):
     from offline_assets import shakespeare_text
     from transformers import AutoTokenizer
 
-    from turboquant_hf.evaluation import compare_on_text, tokenize_text
+    from turboquant_hf.reporting.evaluation import compare_on_text, tokenize_text
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     base = _truncated(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32), 8).eval()
@@ -299,7 +299,7 @@ def test_distillation_kept_where_the_held_out_sequences_gain(tiny_llama_dir, tmp
     """Distillation after the rounding: the calibration sequences are four copies of one (so the held-out quarter
     is text the tuning saw, and it must gain): its KL to the float model falls, the indices stay the rounded ones,
     the norms keep their dtype, the record says what was tuned and the checkpoint reloads with the same logits."""
-    from turboquant_hf.evaluation import compare_on_text
+    from turboquant_hf.reporting.evaluation import compare_on_text
 
     seq = _batches(1, 64, seed=3)[0]
     rounded = _distilled(tiny_llama_dir, 2, [seq] * 4, 0)
@@ -358,7 +358,7 @@ def test_block_tuning_lowers_the_block_errors_and_the_kl(tiny_llama_dir, tmp_pat
     """Each block's norms and vector parameters tuned after its rounding to the float block's outputs: the recorded
     error of the block outputs falls, the model's KL to the float model on the calibration text falls, the first
     block's indices stay the rounded ones, the norms keep their dtype, and the checkpoint reloads with the same logits and record."""
-    from turboquant_hf.evaluation import compare_on_text
+    from turboquant_hf.reporting.evaluation import compare_on_text
 
     seq = _batches(1, 64, seed=3)[0]
     rounded = _block_tuned(tiny_llama_dir, 2, [seq] * 4, 0)
@@ -413,7 +413,7 @@ def test_block_tuning_settings_named():
 def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path, capsys):
     import json
 
-    from turboquant_hf import cli
+    from turboquant_hf.cli import commands as cli
 
     text = tmp_path / "calibration.txt"
     text.write_text(" ".join(["the a of to and in is it you that he was for on are with as his they"] * 40))
@@ -493,7 +493,7 @@ def test_hessian_scale_changes_no_bit_and_extreme_scales_stay_finite(monkeypatch
     extreme scale (1e100, 1e-100: their float32 inverse factor would underflow or overflow) give the same bytes too,
     never NaN norms. The sweep runs with one torch thread (its thousands of small operations per weight otherwise
     wait on the OpenMP team's join at each one on a busy CPU) and leaves the caller's count as it was."""
-    from turboquant_hf import gptq
+    from turboquant_hf.calibration import gptq
 
     hx = _correlated_hessian(256, seed=3).double()
     w = _weight(48, 256)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import make_tokenizer, tiny_llama_config
 
-from turboquant_hf.calibration_data import (
+from turboquant_hf.calibration.data import (
     calibration_batches,
     describe,
     generate_calibration_ids,
 )
-from turboquant_hf.config import CalibrationConfig
+from turboquant_hf.quantization.config import CalibrationConfig
 
 WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with",
          "as", "his", "they", "be", "at", "one", "have", "this"]
@@ -137,7 +137,7 @@ def test_file_and_tokenizer_errors(tmp_path, model, tok):
 
 def test_dataset_type_needs_a_text_column():
     datasets = pytest.importorskip("datasets")
-    from turboquant_hf.calibration_data import _kind
+    from turboquant_hf.calibration.data import _kind
 
     assert _kind(datasets.Dataset.from_dict({"text": ["a b"]})) == "dataset"
     with pytest.raises(ValueError, match="no `text` column"):
@@ -217,7 +217,7 @@ def test_no_absolute_path_in_record(tmp_path, model, tok):
 def test_evaluation_counts_top1_agreement_and_kl(model):
     from transformers import LlamaForCausalLM
 
-    from turboquant_hf.evaluation import compare_log_probs, compare_on_text
+    from turboquant_hf.reporting.evaluation import compare_log_probs, compare_on_text
 
     ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0))
     same = compare_on_text(model, model, ids, window=32)

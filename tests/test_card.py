@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from turboquant_hf import TurboQuantConfig
-from turboquant_hf import card as tq_card
-from turboquant_hf import model_shape
+from turboquant_hf.reporting import card as tq_card
+from turboquant_hf.reporting import model_shape
 
 SECTIONS = ["## Size", "## How to use", "## Memory plan", "## Recipe", "## Limitations", "## Citation"]
 

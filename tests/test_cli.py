@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from turboquant_hf import cli
+from turboquant_hf.cli import commands as cli
 
 # ---------------------------------------------------------------------------------------------------------------
 # A Qwen3.6-35B-A3B-shaped folder: its config.json and safetensors files whose headers are real and whose data
@@ -403,7 +403,7 @@ _CLI_WITHOUT_BACKOFF = """
 import sys
 from huggingface_hub.utils import _http
 _http.time.sleep = lambda seconds: None
-from turboquant_hf.cli import main
+from turboquant_hf.cli.commands import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -506,8 +506,8 @@ def test_plan_agrees_with_the_module_replacement(qwen36_dir, recipe, capsys):
     For the full Qwen3.6-35B-A3B both must quantize the same weights into the same bytes."""
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    from turboquant_hf.recipes import get_recipe
-    from turboquant_hf.sizing import size_from_config
+    from turboquant_hf.quantization.recipes import get_recipe
+    from turboquant_hf.reporting.sizing import size_from_config
 
     plan = json.loads(_plan_json(qwen36_dir, "--recipe", recipe))
     report = size_from_config(Qwen3_5MoeTextConfig(), get_recipe(recipe))

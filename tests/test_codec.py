@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from turboquant_hf import codec
-from turboquant_hf import format as fmt
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
 
 ref_ops = pytest.importorskip("turboquant_vllm.torch_ops")
 ref_wq = pytest.importorskip("turboquant_vllm.weight_quant")

@@ -40,8 +40,8 @@ def test_fullgraph_compile_with_ternary_in_the_runtime_layout(tmp_path, monkeypa
     """Ternary experts and layers as a GPU holds them (2-bit codes, read with `kernel_codebook()`'s padded
     codebook) trace under fullgraph compile and give exactly the published layout's logits (both through the torch
     reference: the compiled CPU kernel reads the published layout only)."""
-    from turboquant_hf import layout
-    from turboquant_hf.modules import TurboQuantWeight
+    from turboquant_hf.format import runtime_layout as layout
+    from turboquant_hf.modeling.modules import TurboQuantWeight
 
     monkeypatch.setenv("TURBOQUANT_CPU_KERNEL", "0")
     torch.manual_seed(0)

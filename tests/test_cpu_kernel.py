@@ -1,4 +1,4 @@
-"""The compiled CPU product (`turboquant_hf.cpu_kernel`) against the torch reference: decoded weights bit for bit,
+"""The compiled CPU product (`modeling.cpu_kernel`) against the torch reference: decoded weights bit for bit,
 products within float tolerance, on every tier, both builds (vector and portable C), and the op's fallback."""
 
 import shutil
@@ -6,9 +6,14 @@ import shutil
 import pytest
 import torch
 
-from turboquant_hf import codec, cpu_kernel, ops
-from turboquant_hf import format as fmt
-from turboquant_hf.modules import TurboQuantLinear, format_constants, quantize_linear_
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.modeling import cpu_kernel, ops
+from turboquant_hf.modeling.modules import (
+    TurboQuantLinear,
+    format_constants,
+    quantize_linear_,
+)
 
 LEVELS = [3, 4, 8, 16]
 

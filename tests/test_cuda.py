@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear
+from turboquant_hf.format import codec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -68,7 +69,7 @@ def test_quantizer_bytes_equal_on_gpu_and_cpu(bits, group_size):
 def test_linear_module_on_gpu_matches_cpu(bits, compact, monkeypatch):
     """Each tier through TurboQuantLinear (ternary keeps float16 norms) on CUDA equals the CPU reference;
     ternary both in its runtime layout (2-bit codes) and, with TURBOQUANT_COMPACT_TERNARY=1, in its bytes."""
-    from turboquant_hf.modules import quantize_linear_
+    from turboquant_hf.modeling.modules import quantize_linear_
 
     if compact:
         monkeypatch.setenv("TURBOQUANT_COMPACT_TERNARY", "1")
@@ -87,8 +88,9 @@ def test_linear_module_on_gpu_matches_cpu(bits, compact, monkeypatch):
     for m in (1, 5, 17):
         out = gpu(x[:m].cuda()).cpu()
         assert torch.allclose(out, ref[:m], rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (bits, m)
-    from turboquant_hf import settings
     from turboquant_hf.kernels import gemm
+
+    from turboquant_hf import settings
 
     gemms = []
     monkeypatch.setattr(gemm, "gemm", lambda *a, _f=gemm.gemm, **kw: gemms.append(1) or _f(*a, **kw))
@@ -192,10 +194,10 @@ def test_compiled_and_graph_captured_model_match_eager(tiny_llama_dir):
 
 @pytest.mark.parametrize("bits", [3, 4, 1.58])
 def test_fused_projections_on_gpu_match_unfused(tiny_llama_dir, bits, monkeypatch):
-    """`from_pretrained` onto a GPU fuses q/k/v and gate/up (`turboquant_hf.fusion`) in the runtime layout: the
+    """`from_pretrained` onto a GPU fuses q/k/v and gate/up (`integration.fusion`) in the runtime layout: the
     same logits as the members run one by one, at prefill and at one token (the pair GEMV), eager and under
     torch.compile(fullgraph=True); `TURBOQUANT_FUSE=0` leaves them unfused."""
-    from turboquant_hf.fusion import fuse_projections, unfuse_projections
+    from turboquant_hf.integration.fusion import fuse_projections, unfuse_projections
 
     cfg = TurboQuantConfig(bits=bits, group_size=64)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=cfg, device_map="cuda",
@@ -231,7 +233,7 @@ def test_hybrid_moe_model_fused_at_load_on_gpu_matches_unfused(bits, tmp_path):
     from conftest import tiny_qwen3_5_moe_config
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-    from turboquant_hf.fusion import unfuse_projections
+    from turboquant_hf.integration.fusion import unfuse_projections
 
     torch.manual_seed(0)
     text = tiny_qwen3_5_moe_config(hidden_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=192)
@@ -324,9 +326,10 @@ def test_gpt_oss_width_experts_on_gpu_match_reference(bits, monkeypatch):
     published bytes: at one token and 16 tokens (pair GEMVs), 50 tokens (the packed-weight GEMM's grouped
     products, 25 pairs an expert), 200 tokens (fused routed lookup products, and the decoded prefill); a CUDA-graph
     replay of the 200-token layer gives the eager output."""
-    from turboquant_hf import TurboQuantExperts, settings
-    from turboquant_hf.experts_layout import ExpertsLayout
     from turboquant_hf.kernels import gemm, tuning
+
+    from turboquant_hf import TurboQuantExperts, settings
+    from turboquant_hf.modeling.experts_layout import ExpertsLayout
 
     e, h, inter, k, g = 8, 2880, 2880, 4, 128
     gen = torch.Generator().manual_seed(int(bits * 10))
@@ -381,11 +384,13 @@ def test_cached_launch_runs_the_kernels_triton_picks(bits, monkeypatch):
     tier, decode + cuBLAS), for activations at a
     16-byte-aligned address and at one that is not (a specialization of its own), and within the reference's
     error; repeated calls hit the cache."""
-    from turboquant_hf import layout, ops
-    from turboquant_hf import format as fmt
     from turboquant_hf.kernels import launch as LA
     from turboquant_hf.kernels import linear as L
-    from turboquant_hf.modules import format_constants
+
+    from turboquant_hf.format import constants as fmt
+    from turboquant_hf.format import runtime_layout as layout
+    from turboquant_hf.modeling import ops
+    from turboquant_hf.modeling.modules import format_constants
 
     g, n, k = 128, 1000, 1056
     gen = torch.Generator().manual_seed(7)
@@ -423,11 +428,13 @@ def test_wide_blocks_on_gpu(monkeypatch):
     blocks, for M = 3, 8, 16, 24, 40 and 64, activations aligned and not, at 4096x4096 (wide up to 32 rows) and
     2048 -> 16384 (wide above 16 rows); where `mma_block` keeps one-group blocks the output is theirs bit for bit.
     (The packed-weight GEMM, which serves 33 rows and more by default, is turned off.)"""
-    from turboquant_hf import layout, ops
-    from turboquant_hf import format as fmt
     from turboquant_hf.kernels import linear as L
     from turboquant_hf.kernels import tuning as T
-    from turboquant_hf.modules import format_constants
+
+    from turboquant_hf.format import constants as fmt
+    from turboquant_hf.format import runtime_layout as layout
+    from turboquant_hf.modeling import ops
+    from turboquant_hf.modeling.modules import format_constants
 
     g, nl = 128, 8
     gen = torch.Generator().manual_seed(41)
@@ -459,11 +466,12 @@ def test_activation_order_on_gpu_matches_natural(bits, g, monkeypatch):
     rotation's 16-byte stores) gives the natural order's output bit for bit, for M = 5, 16 and 40, activations
     aligned and not; below X_ORDER_MIN weight values the natural order is used. (The packed-weight GEMM, which
     serves 33 rows and more by default, is turned off.)"""
-    from turboquant_hf import layout
-    from turboquant_hf import format as fmt
     from turboquant_hf.kernels import linear as L
     from turboquant_hf.kernels import tuning as T
-    from turboquant_hf.modules import format_constants
+
+    from turboquant_hf.format import constants as fmt
+    from turboquant_hf.format import runtime_layout as layout
+    from turboquant_hf.modeling.modules import format_constants
 
     gen = torch.Generator().manual_seed(bits + g)
     nl = fmt.levels_for_bits(bits)

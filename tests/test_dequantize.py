@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from turboquant_hf import TurboQuantConfig, TurboQuantExperts, TurboQuantLinear, cli
+from turboquant_hf import TurboQuantConfig, TurboQuantExperts, TurboQuantLinear
+from turboquant_hf.cli import commands as cli
 
 IDS = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(3))
 # float32 logits of the dequantized model against the packed one: the same weights, multiplied in another order

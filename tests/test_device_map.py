@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import turboquant_hf
-from turboquant_hf.modules import TurboQuantWeight
+from turboquant_hf.modeling.modules import TurboQuantWeight
 
 IDS = torch.arange(3, 19).unsqueeze(0)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from turboquant_hf import format as fmt
+from turboquant_hf.format import constants as fmt
 
 
 def _sign_bytes(s: torch.Tensor) -> str:

@@ -1,4 +1,4 @@
-"""Sibling projections fused into one packed weight (`turboquant_hf.fusion`): same outputs, fewer ops, the
+"""Sibling projections fused into one packed weight (`turboquant_hf.integration.fusion`): same outputs, fewer ops, the
 same state dict and checkpoints, and a group that dissolves when a member's tensors are replaced."""
 
 import pytest
@@ -7,8 +7,8 @@ from torch.profiler import profile
 from transformers import AutoModelForCausalLM
 
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear, quantize_weight
-from turboquant_hf import fusion
-from turboquant_hf.fusion import fuse_projections, unfuse_projections
+from turboquant_hf.integration import fusion
+from turboquant_hf.integration.fusion import fuse_projections, unfuse_projections
 
 
 def _ops(model, ids) -> int:
@@ -158,7 +158,7 @@ def test_only_alike_quantized_siblings_fuse(tiny_llama_dir):
 
 def test_siblings_of_other_bit_widths_fuse_apart(tiny_llama_dir):
     """Four-bit v_proj among 3-bit q and k (a recipe): q and k fuse, v runs alone."""
-    from turboquant_hf.fusion import FusedProjections
+    from turboquant_hf.integration.fusion import FusedProjections
 
     m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=TurboQuantConfig(group_size=64),
                                              dtype=torch.float32).eval()

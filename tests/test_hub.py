@@ -11,12 +11,12 @@ import shutil
 import pytest
 import torch
 import yaml
-
 from hub_fixtures import *  # noqa: F401,F403  (local_hub, hub_env, hub_in_process, run_python)
 from hub_fixtures import point_at_local_hub, run_python
-from turboquant_hf import card as tq_card
-from turboquant_hf import cli
-from turboquant_hf import sizing
+
+from turboquant_hf.cli import commands as cli
+from turboquant_hf.reporting import card as tq_card
+from turboquant_hf.reporting import sizing
 
 GENERIC = "This is the model card of a 🤗 transformers model"
 SMOL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -313,8 +313,8 @@ def test_plan_reads_hub_headers_only(hub_in_process, tiny_tq_dir, tiny_llama_dir
     assert cli.main(["plan", "tester/plan-base", "--bits", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     local = sizing.plan_memory(json.load(open(os.path.join(tiny_llama_dir, "config.json"))),
-                            {k: (v["dtype"], v["shape"]) for k, v in __import__("turboquant_hf.checkpoint", fromlist=[
-                                "x"]).read_safetensors_header(os.path.join(tiny_llama_dir, "model.safetensors")).items()},
+                            {k: (v["dtype"], v["shape"]) for k, v in __import__(
+                                "turboquant_hf.format.checkpoint", fromlist=["x"]).read_safetensors_header(os.path.join(tiny_llama_dir, "model.safetensors")).items()},
                             __import__("turboquant_hf").TurboQuantConfig(bits=4))
     assert plan["weights_bytes"] == local["weights_bytes"] and plan["kv_cache_bytes_per_token"] == 512
     served = hub.log[n:]
@@ -376,7 +376,7 @@ def test_tq_config_only_repo_loads_by_id(hub_in_process, hub_env, tiny_llama_dir
         import torch, turboquant_hf
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM, pipeline
-        from turboquant_hf.checkpoint import CheckpointError
+        from turboquant_hf.format.checkpoint import CheckpointError
         expected = load_file({str(tmp_path / "expected.safetensors")!r})["logits"]
         try:
             AutoModelForCausalLM.from_pretrained("tester/published-form")

@@ -26,17 +26,23 @@ import textwrap
 
 import pytest
 import torch
+from conftest import spread_weights_
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_kernels_available
 
-from conftest import spread_weights_
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear
-from turboquant_hf.modules import TurboQuantExperts
+from turboquant_hf.modeling.modules import TurboQuantExperts
 
 if not is_kernels_available():  # transformers' hub-kernel layers need a `kernels` release in its supported range
     pytest.skip("needs the `kernels` package, in the versions transformers supports", allow_module_level=True)
 
-from kernels import LocalLayerRepository, Mode, get_kernelized_layers, kernelize, use_kernel_mapping  # noqa: E402
+from kernels import (  # noqa: E402
+    LocalLayerRepository,
+    Mode,
+    get_kernelized_layers,
+    kernelize,
+    use_kernel_mapping,
+)
 
 LAYERS = ("RMSNorm", "SiLU")
 

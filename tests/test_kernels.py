@@ -2,7 +2,7 @@
 
 On any machine: the kernels run under Triton's interpreter (TRITON_INTERPRET=1)
 on CPU tensors, called through the launcher functions directly, and are
-compared with the plain-torch reference in `turboquant_hf.ops` for every bit
+compared with the plain-torch reference in `turboquant_hf.modeling.ops` for every bit
 width (ternary, 2, 3, 4), G = 64 and 128, `in_features` not a multiple of G,
 M = 1 and M >= 17. A private copy of `linear.py` is loaded for that, with
 TRITON_INTERPRET=1 set while it is imported and while these tests run, so the
@@ -43,9 +43,12 @@ import torch
 # Whether this process can run the interpreter tests (False when an earlier module imported triton).
 _INTERPRETED = triton is not None and type(triton.language.zeros).__name__ == "InterpretedFunction"
 
-from turboquant_hf import codec, layout, ops
-from turboquant_hf import format as fmt
 from turboquant_hf.kernels import tuning as T
+
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.format import runtime_layout as layout
+from turboquant_hf.modeling import ops
 
 BITS = (fmt.TERNARY, 2, 3, 4)
 
@@ -654,7 +657,7 @@ def test_mma_gemv_small_groups(L):
 
 @pytest.mark.parametrize("bits,g", [(2, 64), (3, 64), (3, 128), (4, 128)])
 def test_runtime_layout_kernels(L, bits, g, monkeypatch):
-    """Every kernel reads the runtime layout (int32, `turboquant_hf.layout`, with `layout.runtime_codebook`)
+    """Every kernel reads the runtime layout (int32, `format.runtime_layout`, with `layout.runtime_codebook`)
     and gives exactly what it gives for the published bytes: the pair GEMV (M = 1 and 3), the select GEMV,
     the tensor-core GEMV, the dequantization, the whole op at M = 1, 5, 17 (bit for bit where both take the same
     path), and the routed-expert mode (4-bit:
@@ -1006,7 +1009,7 @@ def test_act_mul_and_combine_apply_the_layout_epilogue(M):
     """`act_mul` with a per-row expert bias, interleaved gate/up columns and the clamped SwiGLU against
     `activations.gated` in float32 (rows and columns not multiples of its blocks; a strided input takes torch ops),
     and `combine` adding each routed pair's down bias (none for pairs routed nowhere) against a direct sum."""
-    from turboquant_hf.activations import gated
+    from turboquant_hf.modeling.activations import gated
 
     gen = torch.Generator().manual_seed(21)
     e, inter, rows = 5, 300, 37
@@ -1614,7 +1617,7 @@ def _cuda_check(bits) -> int:
             failures += not ok
             print(f"{'ok  ' if ok else 'FAIL'} CUDA graph M={m} rel_err={err:.2e}")
     # the module on CUDA, 3-D input, bias
-    from turboquant_hf.modules import TurboQuantLinear, quantize_linear_
+    from turboquant_hf.modeling.modules import TurboQuantLinear, quantize_linear_
 
     lin = TurboQuantLinear(300, 257, bias=True, bits=3, group_size=128, dtype=torch.bfloat16)
     w = torch.randn(257, 300)

@@ -1,13 +1,16 @@
-"""The runtime layout of packed ternary, 2-, 3- and 4-bit indices (`turboquant_hf.layout`) and how modules keep
+"""The runtime layout of packed ternary, 2-, 3- and 4-bit indices (`format.runtime_layout`) and how modules keep
 it out of checkpoints: exact round trips, the documented bit positions, and a module whose packed tensor is
 in the runtime layout (as on a GPU) still computing, saving, reloading and dequantizing as the published one."""
 
 import pytest
 import torch
 
-from turboquant_hf import TurboQuantLinear, codec, layout, ops
-from turboquant_hf import format as fmt
-from turboquant_hf.modules import quantize_linear_
+from turboquant_hf import TurboQuantLinear
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.format import runtime_layout as layout
+from turboquant_hf.modeling import ops
+from turboquant_hf.modeling.modules import quantize_linear_
 
 
 @pytest.fixture(autouse=True)

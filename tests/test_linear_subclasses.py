@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear
-from turboquant_hf import planning
-from turboquant_hf.modules import linear_kind
+from turboquant_hf.modeling.modules import linear_kind
+from turboquant_hf.quantization import planning
 
 
 def test_linear_kind():
@@ -46,9 +46,8 @@ def test_linear_kind():
 
 @pytest.fixture(scope="module")
 def falcon_dir(tmp_path_factory):
-    from transformers import FalconConfig, FalconForCausalLM
-
     from conftest import make_tokenizer, spread_weights_
+    from transformers import FalconConfig, FalconForCausalLM
 
     torch.manual_seed(0)
     model = spread_weights_(FalconForCausalLM(FalconConfig(
@@ -90,10 +89,10 @@ def test_falcon_quantized_reloaded_and_dequantized(falcon_dir, tmp_path):
 def test_subclasses_with_their_own_forward_are_kept_and_named(caplog):
     """A model whose projections are nn.Linear subclasses with their own forward: nothing quantized is an error
     that names the class and the reason; alongside plain layers, they are kept and the warning says so."""
+    from conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
 
-    from conftest import tiny_llama_config
-    from turboquant_hf.quantizer import TurboQuantHfQuantizer
+    from turboquant_hf.integration.quantizer import TurboQuantHfQuantizer
 
     class Doubled(nn.Linear):
         def forward(self, x):

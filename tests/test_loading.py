@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, pipeline
 
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear
-from turboquant_hf.checkpoint import CheckpointError
+from turboquant_hf.format.checkpoint import CheckpointError
 
 IDS = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(7))
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear
 
 peft = pytest.importorskip("peft")
-lora = pytest.importorskip("turboquant_hf.lora")
+lora = pytest.importorskip("turboquant_hf.integration.lora")
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 # gradients of the same adapter on the packed base and on a plain copy holding its dequantized weights: the same

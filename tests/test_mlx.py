@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 
+import mlx_fixtures
 import numpy as np
 import pytest
 import torch
@@ -17,12 +18,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from turboquant_hf import TurboQuantConfig, TurboQuantExperts, TurboQuantLinear, cli, codec, mlx, rotation
-from turboquant_hf import format as fmt
-from turboquant_hf.checkpoint import CheckpointError
-from turboquant_hf.modules import TurboQuantWeight
-
-import mlx_fixtures
+from turboquant_hf import TurboQuantConfig, TurboQuantExperts, TurboQuantLinear
+from turboquant_hf.cli import commands as cli
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.format import hadamard as rotation
+from turboquant_hf.format.checkpoint import CheckpointError
+from turboquant_hf.integration import mlx
+from turboquant_hf.modeling.modules import TurboQuantWeight
 
 IDS = [[5, 9, 33, 100, 7, 250, 3, 17, 64, 128, 1, 2, 77, 31, 200, 8]]
 # relative error of an effective weight against its source, per tier (Lloyd-Max theory: 0.1859 at 3 bits,

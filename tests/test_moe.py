@@ -9,30 +9,18 @@ import os
 
 import pytest
 import torch
+from conftest import assert_same_tensors, qwen3_5_moe, spread_weights_
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_same_tensors, spread_weights_
-from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
-from turboquant_hf import format as fmt
-from turboquant_hf.checkpoint import CheckpointError
-from turboquant_hf.modules import TurboQuantExperts
-from turboquant_hf.recipes import get_recipe
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.format.checkpoint import CheckpointError
+from turboquant_hf.modeling.modules import TurboQuantExperts
+from turboquant_hf.quantization.recipes import get_recipe
 
 E, TOP_K, H, I = 8, 2, 128, 64
-
-
-def qwen3_5_moe():
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
-
-    text = dict(vocab_size=256, hidden_size=H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=64, moe_intermediate_size=I, shared_expert_intermediate_size=96, num_experts=E,
-                num_experts_per_tok=TOP_K, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-                linear_value_head_dim=40,  # out_proj reads 4 x 40 = 160 inputs: not a multiple of G
-                linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=256)
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=H, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision))
 
 
 def qwen3_moe():
@@ -295,7 +283,7 @@ TRANSPOSED = {"gpt_oss": (gpt_oss, dict(transposed=True, interleaved=True, bias=
 
 
 def _layout(kind: str):
-    from turboquant_hf.experts_layout import ExpertsLayout
+    from turboquant_hf.modeling.experts_layout import ExpertsLayout
 
     return ExpertsLayout(**TRANSPOSED[kind][1])
 
@@ -423,7 +411,8 @@ def test_transposed_experts_sizes_from_headers_and_budget(transposed_checkpoints
     count a transposed expert tensor as the rows it is packed in: E x 2I (or E x H) rows over H (or I) inputs."""
     from safetensors import safe_open
 
-    from turboquant_hf import budget, planning
+    from turboquant_hf.calibration import budget
+    from turboquant_hf.quantization import planning
 
     src = transposed_checkpoints[kind]
     with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
@@ -466,7 +455,7 @@ def test_expert_op_layouts_match_dense_reference(interleaved, bias, clamped):
     (index -1 or E) add nothing, not even a bias."""
     torch.manual_seed(0)
     t = 7
-    from turboquant_hf.experts_layout import ExpertsLayout
+    from turboquant_hf.modeling.experts_layout import ExpertsLayout
 
     layout = ExpertsLayout(interleaved=interleaved, bias=bias, alpha=1.5, limit=0.8)
     m = TurboQuantExperts(E, H, I, 3, 4, 64, "clamped_swiglu" if clamped else "silu", layout=layout)
@@ -495,7 +484,7 @@ def test_llama4_expert_blocks_match_transformers_and_skip_unrouted_experts():
     from transformers.models.llama4 import Llama4TextConfig
     from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 
-    from turboquant_hf.experts_layout import EXPERT_BLOCKS, ExpertsLayout
+    from turboquant_hf.modeling.experts_layout import EXPERT_BLOCKS, ExpertsLayout
 
     torch.manual_seed(0)
     t, k = 5, 2
@@ -533,7 +522,7 @@ def _gpt_oss_experts():
 
 def test_unsupported_expert_forms_are_named():
     """`read_experts` reads gpt-oss's and Llama 4's forms, and names the reason for each form it does not compute."""
-    from turboquant_hf.experts_layout import UnsupportedExperts, read_experts
+    from turboquant_hf.modeling.experts_layout import UnsupportedExperts, read_experts
 
     assert read_experts(_gpt_oss_experts(), "silu").layout == _layout("gpt_oss")
     assert read_experts(llama4().model.layers[0].feed_forward.experts, "silu", 1).layout == _layout("llama4")

@@ -6,9 +6,13 @@ import os
 import pytest
 import torch
 
-from turboquant_hf import codec
-from turboquant_hf import format as fmt
-from turboquant_hf.modules import TurboQuantLinear, format_constants, quantize_linear_
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.modeling.modules import (
+    TurboQuantLinear,
+    format_constants,
+    quantize_linear_,
+)
 
 
 def _inputs(n_levels, group_size, rows=40, in_features=200, m=5, dtype=torch.float32):
@@ -36,7 +40,7 @@ def test_reference_product_in_a_reused_buffer(n_levels, monkeypatch):
     weight built there equals the freshly allocated one bit for bit (ternary through its padded groups; a dtype
     the buffer cannot hold gets a new tensor), and products of other weights and block splits through the same
     buffer stay exact, so nothing of one call leaks into the next."""
-    from turboquant_hf import ops
+    from turboquant_hf.modeling import ops
 
     monkeypatch.setenv("TURBOQUANT_CPU_KERNEL", "0")  # the reference itself (a few rows take the compiled kernel)
 
@@ -140,8 +144,8 @@ def test_moe_experts_backward_matches_dense_experts(layout):
     """Gradients of the routed experts op for the hidden states and the routing weights equal those of a dense
     float64 computation with the dequantized experts; also with gpt-oss's layout (biases, interleaved gate/up
     outputs, the clamped SwiGLU at a limit that most values pass)."""
-    from turboquant_hf.experts_layout import ExpertsLayout
-    from turboquant_hf.modules import TurboQuantExperts
+    from turboquant_hf.modeling.experts_layout import ExpertsLayout
+    from turboquant_hf.modeling.modules import TurboQuantExperts
 
     e, h, i, g, k, t = 4, 128, 64, 64, 2, 6
     gen = torch.Generator().manual_seed(0)
@@ -188,8 +192,9 @@ def test_linear_op_without_autograd_where_no_gradient_is_needed():
     """`ops.linear_op` gives the op without an autograd formula where no gradient can flow to the activations
     (grad mode off, or activations that do not require one) and the one with it otherwise; both compute the same
     product, and a layer's backward still reaches its input."""
-    from turboquant_hf import TurboQuantLinear, ops
-    from turboquant_hf.modules import quantize_linear_
+    from turboquant_hf import TurboQuantLinear
+    from turboquant_hf.modeling import ops
+    from turboquant_hf.modeling.modules import quantize_linear_
 
     layer = TurboQuantLinear(256, 48, bias=True, bits=3)
     quantize_linear_(layer, torch.randn(48, 256) * 0.05)
@@ -210,7 +215,7 @@ def test_linear_op_without_autograd_where_no_gradient_is_needed():
 def test_moe_op_without_autograd_where_no_gradient_is_needed():
     """`ops.moe_op`: the MoE op without autograd unless the hidden states or the routing weights need a gradient;
     the two ops give the same output."""
-    from turboquant_hf import ops
+    from turboquant_hf.modeling import ops
 
     h, w = torch.randn(3, 8), torch.rand(3, 2)
     nograd, with_grad = torch.ops.turboquant.moe_experts_nograd.default, torch.ops.turboquant.moe_experts.default
@@ -225,7 +230,7 @@ def test_moe_op_without_autograd_where_no_gradient_is_needed():
 def test_packed_indices_that_do_not_hold_the_weight_are_refused():
     """Packed indices missing a group (or with one too many) for the norms' rows x groups: a clear error naming the
     shapes, never a product of whatever memory follows them."""
-    from turboquant_hf import layout
+    from turboquant_hf.format import runtime_layout as layout
 
     packed, norms = codec.quantize_weight(torch.randn(64, 256) * 0.02, 3, 128)
     x = torch.randn(2, 256)

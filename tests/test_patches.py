@@ -1,4 +1,4 @@
-"""What turboquant_hf replaces in transformers (turboquant_hf/patches.py), and its registration.
+"""What turboquant_hf replaces in transformers (turboquant_hf/integration/patches.py), and its registration.
 
 The census (`tests/patched_attributes.py`, in a fresh process) compares every attribute of transformers' and
 PEFT's modules and classes, and every item of their dicts (the registries), before and after a run that quantizes,
@@ -15,9 +15,9 @@ import warnings
 
 import pytest
 
-from turboquant_hf import patches, registration
-from turboquant_hf.config import QUANT_METHOD, TurboQuantConfig
-from turboquant_hf.quantizer import TurboQuantHfQuantizer
+from turboquant_hf.integration import patches, registration
+from turboquant_hf.integration.quantizer import TurboQuantHfQuantizer
+from turboquant_hf.quantization.config import QUANT_METHOD, TurboQuantConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REGISTRY = "transformers.quantizers.auto"

@@ -10,9 +10,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-from turboquant_hf import TurboQuantConfig, TurboQuantLinear, codec
-from turboquant_hf import format as fmt
-from turboquant_hf.checkpoint import CheckpointError
+from turboquant_hf import TurboQuantConfig, TurboQuantLinear
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.format.checkpoint import CheckpointError
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -317,10 +318,15 @@ def test_tied_head_named_in_module_bits_stays_tied(tmp_path, caplog):
 def test_task_heads_stay_in_full_precision_by_default():
     """The default skip list keeps every model's output head: classification, QA and LM heads alike; a user list
     replaces the default."""
-    from transformers import (BertConfig, BertForQuestionAnswering, BertForSequenceClassification, LlamaConfig,
-                              LlamaForSequenceClassification)
+    from transformers import (
+        BertConfig,
+        BertForQuestionAnswering,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
 
-    from turboquant_hf import planning
+    from turboquant_hf.quantization import planning
 
     bert = BertConfig(vocab_size=100, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
                       intermediate_size=256, num_labels=3)

@@ -102,7 +102,7 @@ def test_reference_qwen3_5_moe_checkpoint(tmp_path):
     from test_moe import qwen3_5_moe
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
-    from turboquant_hf.modules import TurboQuantExperts
+    from turboquant_hf.modeling.modules import TurboQuantExperts
 
     torch.manual_seed(0)
     src, out = str(tmp_path / "src"), str(tmp_path / "ref")

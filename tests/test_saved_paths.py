@@ -9,11 +9,12 @@ import tempfile
 
 import pytest
 import torch
+from hub_fixtures import *  # noqa: F401,F403  (local_hub, hub_env, hub_in_process)
 from transformers import AutoModelForCausalLM
 
-from hub_fixtures import *  # noqa: F401,F403  (local_hub, hub_env, hub_in_process)
-from turboquant_hf import TurboQuantConfig, cli
-from turboquant_hf.checkpoint import public_command, public_source
+from turboquant_hf import TurboQuantConfig
+from turboquant_hf.cli import commands as cli
+from turboquant_hf.format.checkpoint import public_command, public_source
 
 TEXT_SUFFIXES = (".json", ".md", ".txt", ".jinja", ".yaml")
 

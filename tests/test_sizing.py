@@ -2,9 +2,9 @@
 
 import pytest
 
-from turboquant_hf import format as fmt
-from turboquant_hf.recipes import get_recipe
-from turboquant_hf.sizing import size_from_config
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.quantization.recipes import get_recipe
+from turboquant_hf.reporting.sizing import size_from_config
 
 
 def _packed(rows, in_features, bits, g=128):

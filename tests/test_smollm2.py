@@ -8,7 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turboquant_hf import TurboQuantConfig, TurboQuantLinear
-from turboquant_hf.evaluation import compare_log_probs, tokenize_text, window_log_probs
+from turboquant_hf.reporting.evaluation import (
+    compare_log_probs,
+    tokenize_text,
+    window_log_probs,
+)
 
 ref_ops = pytest.importorskip("turboquant_vllm.torch_ops")
 

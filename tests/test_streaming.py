@@ -17,12 +17,19 @@ from hub_fixtures import hub_env, hub_in_process, local_hub  # noqa: F401  (fixt
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from turboquant_hf import TurboQuantConfig, cli, codec, streaming
-from turboquant_hf import format as fmt
-from turboquant_hf.checkpoint import CheckpointError, read_checkpoint_index
-from turboquant_hf.codec import GroupQuantizer
-from turboquant_hf.shards import ShardWriter, source_index
-from turboquant_hf.streaming import STATE_NAME, ConversionError, StreamingQuantizer
+from turboquant_hf import TurboQuantConfig
+from turboquant_hf.cli import commands as cli
+from turboquant_hf.conversion import streaming
+from turboquant_hf.conversion.streaming import (
+    STATE_NAME,
+    ConversionError,
+    StreamingQuantizer,
+)
+from turboquant_hf.format import codec
+from turboquant_hf.format import constants as fmt
+from turboquant_hf.format.checkpoint import CheckpointError, read_checkpoint_index
+from turboquant_hf.format.codec import GroupQuantizer
+from turboquant_hf.format.shards import ShardWriter, source_index
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +120,7 @@ def test_qwen3_5_moe_matches_from_pretrained(layout, tmp_path):
     from test_moe import qwen3_5_moe
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from turboquant_hf.recipes import get_recipe
+    from turboquant_hf.quantization.recipes import get_recipe
 
     torch.manual_seed(0)
     qwen3_5_moe().to(torch.bfloat16).save_pretrained(tmp_path / "src", save_original_format=layout == "per_expert")
@@ -210,7 +217,7 @@ def _device_path(monkeypatch):
     """Run the path a GPU takes on the CPU device: reader threads fill reusable host buffers, the main thread
     quantizes into them, the writer thread writes (page-locked buffers, streams and events are CUDA's alone).
     Returns the host buffer pools the conversions make."""
-    from turboquant_hf import shards
+    from turboquant_hf.format import shards
 
     monkeypatch.setattr(streaming, "_POOLED_DEVICES", ())
     pools = []
@@ -443,7 +450,7 @@ def test_killed_conversion_leaves_the_target_untouched_and_resumes(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # progress, summary, model card, command line
 def test_progress_summary_and_card(tiny_llama_dir, tmp_path, capsys):
-    from turboquant_hf import card as tq_card
+    from turboquant_hf.reporting import card as tq_card
 
     summary = StreamingQuantizer.from_pretrained(tiny_llama_dir).quantize(tmp_path / "out", progress=True)
     err = capsys.readouterr().err
@@ -477,7 +484,7 @@ def test_progress_summary_and_card(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_cli_chooses_the_converter_by_memory_budget(tiny_llama_dir, tmp_path, capsys, monkeypatch):
-    from turboquant_hf import shards
+    from turboquant_hf.format import shards
 
     largest = StreamingQuantizer.from_pretrained(tiny_llama_dir).largest_tensor_bytes
     assert cli.main(["quantize", tiny_llama_dir, "--out", str(tmp_path / "ref"), "--json"]) == 0
@@ -660,7 +667,7 @@ def test_gpt_oss_from_mxfp4(tmp_path, capsys):
     own dequantization; the converted folder holds exactly the tensors that `from_pretrained` of the dequantized
     bf16 model + `save_pretrained` write (experts quantized in their published row layout), its config is
     TurboQuant's alone, and it loads to the same logits."""
-    from turboquant_hf.shards import Mxfp4Tensor, SourceReader
+    from turboquant_hf.format.shards import Mxfp4Tensor, SourceReader
 
     src, bf16, decoded = _mxfp4_gpt_oss(tmp_path)
     tensors = StreamingQuantizer(src).tensors

@@ -13,9 +13,13 @@ from conftest import (
 )
 from transformers import AutoModelForCausalLM
 
-from turboquant_hf import CalibrationConfig, TurboQuantConfig, cli
-from turboquant_hf.calibrate_streaming import parameters_on_meta, resident_bytes
-from turboquant_hf.streaming import ConversionError, StreamingQuantizer
+from turboquant_hf import CalibrationConfig, TurboQuantConfig
+from turboquant_hf.calibration.calibrate_streaming import (
+    parameters_on_meta,
+    resident_bytes,
+)
+from turboquant_hf.cli import commands as cli
+from turboquant_hf.conversion.streaming import ConversionError, StreamingQuantizer
 
 
 def _batches(n, length=64, seed=0):
@@ -136,7 +140,7 @@ def test_parameters_on_meta_keep_buffers(tiny_llama_dir):
 
 
 def test_interrupted_calibration_resumes_to_the_same_bytes(tiny_llama_dir, tmp_path, monkeypatch):
-    from turboquant_hf import calibrate_streaming
+    from turboquant_hf.calibration import calibrate_streaming
 
     _convert(tiny_llama_dir, tmp_path / "ref", _config(), dtype=torch.float32, max_shard_size=100_000)
     release = calibrate_streaming.StreamingCalibration._release

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle (function-local imports included), no module or function too large to read."""
+"""The package's shape: no import cycle (function-local imports included), imports that run down the layers only,
+no module or function too large to read."""
 
 from __future__ import annotations
 
@@ -9,18 +10,37 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"turboquant_hf": os.path.join(ROOT, "turboquant_hf"), "turboquant_hf.kernels": os.path.join(ROOT, "kernels")}
+# The layers, lowest first: a module imports only from its own layer or one below it. Each entry names a folder of
+# the package (or top-level modules: `turboquant_hf` stands for the package's `__init__`, `__main__` and the
+# modules kept at their old paths) and says why it sits there.
+LAYERS = [
+    (("settings",), "environment switches, read by every layer; imports nothing of the package"),
+    (("format",), "the on-disk format and the codec in plain torch: no module, no model, no transformers"),
+    (("modeling", "kernels"), "the operators, their CPU and GPU implementations and the modules that call them"),
+    (("quantization",), "what to quantize: configs, recipes and the per-module plans of TurboQuant modules"),
+    (("calibration",), "rounding chosen from data, for the modules a plan names"),
+    (("reporting",), "sizes, memory plans, model card and quality of a model or a saved folder"),
+    (("integration",), "transformers' hooks, which load, calibrate, save and describe models through the layers below"),
+    (("conversion",), "offline conversion, which reads MLX checkpoints as the integration does and calibrates"),
+    (("cli", "turboquant_hf"), "the entry points: the command line uses the package as a user does"),
+]
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 120
 MAX_KERNEL_LINES = 200  # one @triton.jit body
 
 
 def _modules() -> dict[str, str]:
+    """Every module of the package, subfolders included, by its dotted name."""
     out = {}
-    for package, folder in PACKAGES.items():
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                stem = name[:-3]
-                out[package if stem == "__init__" else f"{package}.{stem}"] = os.path.join(folder, name)
+    for package, top in PACKAGES.items():
+        for folder, dirs, names in os.walk(top):
+            dirs[:] = sorted(d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py")))
+            sub = os.path.relpath(folder, top).replace(os.sep, ".")
+            prefix = package if sub == "." else f"{package}.{sub}"
+            for name in sorted(names):
+                if name.endswith(".py"):
+                    stem = name[:-3]
+                    out[prefix if stem == "__init__" else f"{prefix}.{stem}"] = os.path.join(folder, name)
     return out
 
 
@@ -82,7 +102,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle():
     graph = _graph()
-    assert "turboquant_hf.planning" in graph and graph["turboquant_hf.quantizer"]
+    assert "turboquant_hf.quantization.planning" in graph and graph["turboquant_hf.integration.quantizer"]
     assert _cycles(graph) == []
 
 
@@ -90,22 +110,54 @@ def test_imports_inside_functions_and_of_package_names_are_edges(tmp_path):
     """The walk sees an import in a function body, a relative import of a sibling package's submodule, and a name
     taken from a package's `__init__` (an edge to the package: its `__init__` runs that import's module)."""
     path = tmp_path / "moe.py"
-    path.write_text("import torch\n\n\ndef f():\n    from turboquant_hf import ops\n    from .. import TurboQuantConfig\n"
+    path.write_text("import torch\n\n\ndef f():\n    from turboquant_hf.modeling import ops\n"
+                    "    from .. import TurboQuantConfig\n"
                     "    from . import linear\n    return ops, linear, TurboQuantConfig, torch\n")
-    known = {"turboquant_hf", "turboquant_hf.ops", "turboquant_hf.kernels", "turboquant_hf.kernels.linear",
+    known = {"turboquant_hf", "turboquant_hf.modeling.ops", "turboquant_hf.kernels", "turboquant_hf.kernels.linear",
              "turboquant_hf.kernels.moe"}
     found = _imports("turboquant_hf.kernels.moe", str(path), known)
-    assert found == {"turboquant_hf", "turboquant_hf.ops", "turboquant_hf.kernels.linear"}
+    assert found == {"turboquant_hf", "turboquant_hf.modeling.ops", "turboquant_hf.kernels.linear"}
     # a kernel module that reaches back into a module importing it is a cycle, function-local or not
     graph = _graph()
-    graph["turboquant_hf.modules"].add("turboquant_hf.kernels.moe")
-    graph["turboquant_hf.kernels.moe"].add("turboquant_hf.modules")
+    graph["turboquant_hf.modeling.modules"].add("turboquant_hf.kernels.moe")
+    graph["turboquant_hf.kernels.moe"].add("turboquant_hf.modeling.modules")
     assert _cycles(graph)
 
 
 def test_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of a module's folder (top-level modules: `settings` or the package itself)."""
+    parts = module.split(".")
+    unit = parts[1] if len(parts) > 1 and any(parts[1] in units for units, _ in LAYERS) else parts[0]
+    for i, (units, _) in enumerate(LAYERS):
+        if unit in units:
+            return i
+    raise AssertionError(f"{module}: its folder {unit!r} has no place in LAYERS")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if _layer(d) > _layer(m))
+
+
+def test_imports_run_down_the_layers():
+    graph = _graph()
+    assert {_layer(m) for m in graph} == set(range(len(LAYERS)))  # every folder placed, every layer used
+    assert _upward(graph) == []
+
+
+def test_an_import_of_a_higher_layer_is_found():
+    graph = _graph()
+    graph["turboquant_hf.format.codec"].add("turboquant_hf.integration.quantizer")
+    graph["turboquant_hf.kernels.moe"].add("turboquant_hf.quantization.planning")
+    assert _upward(graph) == ["turboquant_hf.format.codec -> turboquant_hf.integration.quantizer",
+                              "turboquant_hf.kernels.moe -> turboquant_hf.quantization.planning"]
+    assert _layer("turboquant_hf.settings") < _layer("turboquant_hf.format.constants") < _layer("turboquant_hf.cli")
+    assert _layer("turboquant_hf.lora") == _layer("turboquant_hf") == _layer("turboquant_hf.cli.commands")
+    assert _layer("turboquant_hf.format") == _layer("turboquant_hf.format.codec") < _layer("turboquant_hf.kernels")
 
 
 def _functions(path: str):

@@ -19,7 +19,7 @@ import tensor_parallel_worker as worker
 import torch
 
 import turboquant_hf
-from turboquant_hf import tensor_parallel as tp
+from turboquant_hf.integration import tensor_parallel as tp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BITS = 3
@@ -79,7 +79,8 @@ def _plan(directory) -> dict:
     """`turboquant-hf plan DIR --gpus 2` of a saved checkpoint (its `tensor_parallel` part)."""
     import json
 
-    from turboquant_hf import checkpoint, sizing
+    from turboquant_hf.format import checkpoint
+    from turboquant_hf.reporting import sizing
 
     index = checkpoint.read_checkpoint_index([os.path.join(directory, "model.safetensors")])
     with open(os.path.join(directory, "config.json")) as f:
@@ -197,8 +198,8 @@ def test_chunk_ranges_tile_and_refuse_cut_groups():
 
 def test_local_source_slices_match_quantized_slices():
     """A rank quantizing its slice of the source gets the same bytes as that slice of the whole quantized weight."""
-    from turboquant_hf import codec
-    from turboquant_hf.modules import TurboQuantWeight
+    from turboquant_hf.format import codec
+    from turboquant_hf.modeling.modules import TurboQuantWeight
 
     torch.manual_seed(0)
     w = torch.randn(6, 192)
@@ -223,7 +224,7 @@ def test_plan_gpus_2_predicts_each_ranks_bytes(runs, kind):
 def test_plan_cli_gpus_names_group_cutting_splits_and_budgets_each_gpu(tmp_path, capsys):
     import json
 
-    from turboquant_hf import cli
+    from turboquant_hf.cli import commands as cli
 
     _spread(_llama(352)).save_pretrained(tmp_path)
     assert cli.main(["plan", str(tmp_path), "--bits", "3", "--group-size", "64", "--gpus", "2", "--json"]) == 0
@@ -291,7 +292,7 @@ def test_whole_row_rotation_is_refused_by_name():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from turboquant_hf.modules import TurboQuantLinear
+    from turboquant_hf.modeling.modules import TurboQuantLinear
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -310,8 +311,8 @@ def test_experts_in_other_layouts_are_refused_by_name():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from turboquant_hf.experts_layout import ExpertsLayout
-    from turboquant_hf.modules import TurboQuantExperts
+    from turboquant_hf.modeling.experts_layout import ExpertsLayout
+    from turboquant_hf.modeling.modules import TurboQuantExperts
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -343,7 +344,7 @@ def test_slices_read_from_the_file_equal_slices_of_the_whole(tmp_path):
     packed tensor and its norms equal the same slices of the whole tensors."""
     from safetensors.torch import save_file
 
-    from turboquant_hf import checkpoint
+    from turboquant_hf.format import checkpoint
 
     blocks, rows, in_features, g, bpg = 4, 8, 160, 64, 24  # 3 groups, the last one of 32 weights
     packed = torch.randint(0, 256, (blocks * rows * 3, bpg), dtype=torch.uint8)

@@ -8,14 +8,14 @@ and `from_pretrained(saved_dir)` work.
 from __future__ import annotations
 
 from . import format
-from .calibration import calibrate_model
-from .codec import dequantize_weight, quantize_weight
-from .config import CalibrationConfig, TurboQuantConfig
-from .gptq import gptq_rotated
-from .modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight
-from .quantizer import TurboQuantHfQuantizer
-from .recipes import get_recipe
-from .registration import register
+from .calibration.gptq import gptq_rotated
+from .calibration.sequential import calibrate_model
+from .format.codec import dequantize_weight, quantize_weight
+from .integration.quantizer import TurboQuantHfQuantizer
+from .integration.registration import register
+from .modeling.modules import TurboQuantExperts, TurboQuantLinear, TurboQuantWeight
+from .quantization.config import CalibrationConfig, TurboQuantConfig
+from .quantization.recipes import get_recipe
 
 __version__ = "0.1.0"
 
