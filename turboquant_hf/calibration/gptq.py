@@ -32,11 +32,8 @@ from ..format import codec
 from ..format import constants as fmt
 
 # Settings of the rounding (`CalibrationConfig.options`): `sweeps` > 1 repeats the sweep with each group's grid scaled by
-# the norms the previous one fitted, and fits them again. Measured at 3 bits (mean KL to the float model on held-out
-# Hamlet + Macbeth, 4096 calibration tokens of other plays): on SmolLM2-135M's first 10 blocks one sweep 0.128, two
-# 0.123 (damping 0.01), 0.124 and 0.114 at damping 0.05; on the whole model one sweep 0.271, two 0.273 (damping
-# 0.01), at 1.5 times the time (and one sweep at damping 0.05: 0.281). Sweeping each group's coordinates in order of decreasing Hessian diagonal changed
-# nothing (0.128) and is not offered.
+# the norms the previous one fitted, and fits them again; `block_size` columns are rounded between updates of the
+# rest. The defaults and the orders not offered: benchmarks/QUALITY.md ("Rounding sweeps").
 ROUNDING_OPTIONS = {"sweeps": 1, "block_size": 128}
 
 

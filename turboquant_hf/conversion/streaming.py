@@ -88,7 +88,7 @@ _DEVICE_READERS = 4
 _DEVICE_IN_FLIGHT = 8
 # bytes per slice of a tensor copied as it is: no larger than a quantized slice's buffers, so that the allocator
 # keeps returning them to the system (a larger freed block raises glibc's mmap threshold, and each worker's arena
-# then holds on to its largest slices: measured 140 MB instead of 40 MB at 16 MB slices)
+# then holds on to its largest slices: benchmarks/CONVERT_SPEED.md, "Memory")
 _COPY_SLICE = 1 << 20
 
 
