@@ -278,9 +278,8 @@ def cmd_quantize(args, argv) -> int:
         except (OSError, ValueError) as e:
             _say(args, f"note: no tokenizer saved ({e})")
         bar.update()
-        with open(os.path.join(tmp, tq_card.BUILD_NAME), "w") as f:
-            json.dump(tq_card.build_record(base_model=args.base_model, source=args.src,
-                                           command=_command_line(argv), recipe=recipe), f, indent=2)
+        tq_card.write_build_record(tmp, base_model=args.base_model, source=args.src, command=_command_line(argv),
+                                   recipe=recipe)
         if args.eval:
             bar.set_postfix_str("eval")
             del model

@@ -458,9 +458,8 @@ class StreamingQuantizer(_QuantizerBase):
         try:
             from ..reporting import card as tq_card
 
-            with open(os.path.join(out_dir, tq_card.BUILD_NAME), "w") as f:
-                json.dump(tq_card.build_record(base_model=base_model, source=self.source_dir,
-                                               command=info.get("command"), recipe=info.get("recipe")), f, indent=2)
+            tq_card.write_build_record(out_dir, base_model=base_model, source=self.source_dir,
+                                       command=info.get("command"), recipe=info.get("recipe"))
             tq_card.write_card(out_dir, base_model=base_model, repo_id=info.get("repo_id"),
                                name=os.path.basename(save_dir), source_dir=self.source_dir)
         except Exception as e:  # noqa: BLE001  (the weights are complete; a card that cannot be rendered must not lose them)

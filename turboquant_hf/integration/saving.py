@@ -8,11 +8,9 @@ has written the folder).
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 
-from huggingface_hub import ModelCard
 from transformers.utils import logging
 
 from ..format import checkpoint as ckpt
@@ -97,24 +95,15 @@ def _save_source_tokenizer(model, save_directory) -> None:
 def _write_card(model, save_directory, repo_id=None, base_model=None, tags=None) -> None:
     from ..reporting import card as tq_card
 
+    source = getattr(model, "_turboquant_original_model", None)
     try:
-        build_path = os.path.join(save_directory, tq_card.BUILD_NAME)
-        with open(build_path + ".tmp", "w") as f:
-            json.dump(tq_card.build_record(base_model=base_model,
-                                           source=getattr(model, "_turboquant_original_model", None)), f, indent=2)
-        os.replace(build_path + ".tmp", build_path)
-        source = getattr(model, "_turboquant_original_model", None)
+        tq_card.write_build_record(save_directory, base_model=base_model, source=source)
         text = tq_card.render_card(str(save_directory), repo_id=repo_id, base_model=base_model,
-                                   source_dir=source if source and os.path.isdir(source) else None)
-        if tags:
-            card = ModelCard(text)
-            card.data.tags = list(card.data.tags or []) + [t for t in tags if t not in (card.data.tags or [])]
-            text = str(card)
+                                   source_dir=source if source and os.path.isdir(source) else None, tags=tags)
     except Exception as e:  # the weights are saved; a card that cannot be rendered must not lose them
         warnings.warn(f"TurboQuant: saved the model but could not write its model card: {e}")
         return
-    with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as f:
-        f.write(text)
+    tq_card.save_card(save_directory, text)
 
 
 class PushError(RuntimeError):

@@ -283,6 +283,15 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def write_build_record(directory: str, base_model: str | None = None, source: str | None = None,
+                       command: str | None = None, recipe: str | None = None) -> None:
+    """Write `directory/turboquant_build.json` (`build_record`; the one writer of it), whole or not at all."""
+    path = os.path.join(directory, BUILD_NAME)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(build_record(base_model=base_model, source=source, command=command, recipe=recipe), f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
 def build_record(base_model: str | None = None, source: str | None = None, command: str | None = None,
                  recipe: str | None = None) -> dict:
     import datetime
@@ -530,25 +539,38 @@ def _template():
 
 
 def render_card(directory: str, repo_id: str | None = None, base_model: str | None = None,
-                base_metadata: dict | None = None, name: str | None = None, source_dir: str | None = None) -> str:
+                base_metadata: dict | None = None, name: str | None = None, source_dir: str | None = None,
+                tags: list[str] | None = None) -> str:
     """README.md text for the TurboQuant checkpoint in `directory`.
 
     repo_id: the Hub repo the usage examples load from; base_model: the base model's Hub id (default: from
     tq_config.json / turboquant_build.json); base_metadata: license/language to use instead of reading the base
     card; name: the checkpoint's folder name when `directory` is a temporary folder; source_dir: the local
-    folder it was quantized from."""
+    folder it was quantized from; tags: Hub tags added to the card's own (`save_pretrained(tags=...)`)."""
     ctx = card_context(directory, repo_id=repo_id, base_model=base_model, base_metadata=base_metadata, name=name,
                        source_dir=source_dir)
     text = _template().render(**ctx)
     text = re.sub(r"\n{3,}", "\n\n", text)
-    return text.rstrip() + "\n"
+    text = text.rstrip() + "\n"
+    if tags:
+        from huggingface_hub import ModelCard
+
+        card = ModelCard(text)
+        card.data.tags = list(card.data.tags or []) + [t for t in tags if t not in (card.data.tags or [])]
+        text = str(card)
+    return text
 
 
 def write_card(directory: str, repo_id: str | None = None, base_model: str | None = None,
                base_metadata: dict | None = None, name: str | None = None, source_dir: str | None = None) -> str:
-    """Render and write `directory/README.md` (atomically); return its path."""
+    """Render and write `directory/README.md`; return its path."""
     text = render_card(directory, repo_id=repo_id, base_model=base_model, base_metadata=base_metadata, name=name,
                        source_dir=source_dir)
+    return save_card(directory, text)
+
+
+def save_card(directory: str, text: str) -> str:
+    """Write `text` as `directory/README.md` (the one writer of it), whole or not at all; return its path."""
     path = os.path.join(directory, CARD_NAME)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
