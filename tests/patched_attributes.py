@@ -38,6 +38,8 @@ def _snapshot() -> dict:
         if module is None or not (name in ROOTS or name.startswith(tuple(r + "." for r in ROOTS))):
             continue
         for key, value in list(getattr(module, "__dict__", {}).items()):
+            if key == "__warningregistry__":  # (the warnings module's record of the warnings shown, no replacement)
+                continue
             where = f"{name}.{key}"
             out[where] = value
             items = []
