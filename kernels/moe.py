@@ -545,13 +545,13 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
     """CUDA implementation of `turboquant::hadamard_moe_experts` (turboquant-mlx experts: gate, up and down
     each with their own whole-row rotation signs, codebook and group size).
 
-    Decode (at most `tuning.PAIR_MAX_ROWS` routed pairs): the rotations in torch (`rotation.rotate_rows`, no host
+    Decode (at most `tuning.PAIR_MAX_ROWS` routed pairs): the rotations in torch (`hadamard.rotate_rows`, no host
     synchronisation), the routed-pair GEMVs of `_pairs` (LUT or select GEMV), so the layer can be captured
     in a CUDA graph. Longer prompts with 16-bit activations and lookup-decodable projections (2-, 3-, 4-bit,
     ternary in its runtime layout): the rotations in torch, once per token, and the routed experts' rotated-basis
     matrices decoded in chunks for grouped products (`_hadamard_grouped_decoded`). Otherwise, and for groups
     smaller than a kernel unit (3-bit groups of 16), the torch reference, which groups tokens by expert."""
-    from turboquant_hf.format import hadamard as rotation
+    from turboquant_hf.format import hadamard
     from turboquant_hf.modeling import ops
 
     t, h = hidden.shape
@@ -585,10 +585,10 @@ def hadamard_moe_experts(hidden, top_k_index, top_k_weights, gate_packed, gate_n
         return L.gemv_fma(x_rot.contiguous(), packed, norms.contiguous(), L._f32(codebook), g, torch.float32,
                           experts=e, expert_index=idx, x_div=x_div)
 
-    gate = pairs(rotation.rotate_rows(x, gate_signs.float()), k, gate_packed, gate_norms, gate_codebook, g_h)
-    up = pairs(rotation.rotate_rows(x, up_signs.float()), k, up_packed, up_norms, up_codebook, g_h)
+    gate = pairs(hadamard.rotate_rows(x, gate_signs.float()), k, gate_packed, gate_norms, gate_codebook, g_h)
+    up = pairs(hadamard.rotate_rows(x, up_signs.float()), k, up_packed, up_norms, up_codebook, g_h)
     mid = act(gate) * up
-    y = pairs(rotation.rotate_rows(mid, down_signs.float()), 1, down_packed, down_norms, down_codebook, g_i)
+    y = pairs(hadamard.rotate_rows(mid, down_signs.float()), 1, down_packed, down_norms, down_codebook, g_i)
     out = (y.view(t, k, h) * top_k_weights.reshape(t, k, 1).to(torch.float32)).sum(1)
     return out.to(hidden.dtype)
 
@@ -597,14 +597,14 @@ def _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e):
     """What both prefills of whole-row-Hadamard experts start from: (intermediate width, gate/up and down group
     sizes, the products' operand dtype, the tokens rotated with the gate's signs and with the up projection's
     (the same tensor where the signs are), in float32)."""
-    from turboquant_hf.format import hadamard as rotation
+    from turboquant_hf.format import hadamard
 
     h = hidden.shape[1]
     inter = gate_norms.shape[0] // e
     wdt = torch.float32 if L._interpreting() else hidden.dtype
     x = hidden.to(torch.float32)
-    xg = rotation.rotate_rows(x, gate_signs.float())
-    xu = xg if up_signs is gate_signs else rotation.rotate_rows(x, up_signs.float())
+    xg = hadamard.rotate_rows(x, gate_signs.float())
+    xu = xg if up_signs is gate_signs else hadamard.rotate_rows(x, up_signs.float())
     return inter, h // gate_norms.shape[1], inter // down_norms.shape[1], wdt, xg, xu
 
 
@@ -615,7 +615,7 @@ def _hadamard_fused_routed(hidden, top_k_index, top_k_weights, gate_packed, gate
     tokens rotated once per projection's signs, the pairs sorted by expert on the device, gate and up products
     reading each pair's token row directly, the intermediate rows rotated with the down projection's signs, the
     down product, `combine`. No host synchronisation and no scratch buffer."""
-    from turboquant_hf.format import hadamard as rotation
+    from turboquant_hf.format import hadamard
 
     _, g_h, g_i, wdt, xg, xu = _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e)
     tok, pos, _, offs = _device_routing(top_k_index, e)
@@ -623,7 +623,7 @@ def _hadamard_fused_routed(hidden, top_k_index, top_k_weights, gate_packed, gate
     xu = xg if up_signs is gate_signs else xu.to(wdt)
     gate = routed_lut_mm(xg, offs, gate_packed, gate_norms, gate_codebook, g_h, e, wdt, xrow=tok).float()
     up = routed_lut_mm(xu, offs, up_packed, up_norms, up_codebook, g_h, e, wdt, xrow=tok).float()
-    mid = rotation.rotate_rows(act(gate) * up, down_signs.float()).to(wdt)
+    mid = hadamard.rotate_rows(act(gate) * up, down_signs.float()).to(wdt)
     del gate, up
     y = routed_lut_mm(mid, offs, down_packed, down_norms, down_codebook, g_i, e, wdt)
     return combine(y, pos, top_k_weights, hidden.dtype)
@@ -636,7 +636,7 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
     expert), the routed experts' rotated-basis matrices (`norm * codebook[idx]`) decoded in chunks of at most
     `tuning.PREFILL_SCRATCH_BYTES`, grouped products as in `_grouped_decoded`, the intermediate rows rotated with
     the down projection's signs between the two."""
-    from turboquant_hf.format import hadamard as rotation
+    from turboquant_hf.format import hadamard
 
     h = hidden.shape[1]
     inter, g_h, g_i, wdt, xg, xu = _hadamard_setup(hidden, gate_norms, gate_signs, up_signs, down_norms, e)
@@ -652,7 +652,7 @@ def _hadamard_grouped_decoded(hidden, top_k_index, top_k_weights, gate_packed, g
         w_u = L.dequantize_lut(up_packed, up_norms, up_codebook, g_h, wdt, select=sel, select_rows=inter)
         up = _expert_products(xu[start:stop], w_u.view(n, inter, h), offs, sizes, grouped).float()
         del w_u
-        mid = rotation.rotate_rows(act(gate) * up, d_signs).to(wdt)
+        mid = hadamard.rotate_rows(act(gate) * up, d_signs).to(wdt)
         w_d = L.dequantize_lut(down_packed, down_norms, down_codebook, g_i, wdt, select=sel, select_rows=h)
         return _expert_products(mid, w_d.view(n, h, inter), offs, sizes, grouped)
 

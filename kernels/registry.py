@@ -32,7 +32,7 @@ def _cuda_linear(x, packed, norms, codebook, signs1, signs2, group_size, in_feat
 
 def _cuda_hadamard_linear(x, packed, norms, codebook, signs, group_size, in_features):
     # whole-row Hadamard rotation (turboquant-mlx checkpoints) in torch, then the same codebook product
-    from turboquant_hf.format import hadamard as rotation
+    from turboquant_hf.format import hadamard
 
     from . import linear
 
@@ -40,7 +40,7 @@ def _cuda_hadamard_linear(x, packed, norms, codebook, signs, group_size, in_feat
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] == 0:
         return x.new_empty(*lead, norms.shape[0])
-    x_rot = rotation.rotate_rows(x2.float(), signs.float())
+    x_rot = hadamard.rotate_rows(x2.float(), signs.float())
     if codebook.numel() == 8 and group_size < 32:
         # (3-bit groups of 16 are not whole units of the kernels: the reference product serves them)
         from turboquant_hf.modeling import ops

@@ -128,7 +128,7 @@ def _device(model: nn.Module) -> torch.device:
 def collect_statistics(model: nn.Module, names, batches, gradients: bool = True) -> tuple[dict, dict, int]:
     """({name: sum X^T X of its input}, {name: sum over tokens of the squared loss gradient per output channel},
     tokens) over `batches`, for the Linears `names`. The Hessians are those calibrated rounding uses
-    (`calibration.InputHessians`: modules fed the same tensor share one); the gradients are of the next-token
+    (`sequential.InputHessians`: modules fed the same tensor share one); the gradients are of the next-token
     cross-entropy of the model on the batches (omitted with `gradients=False`)."""
     from .sequential import InputHessians
 

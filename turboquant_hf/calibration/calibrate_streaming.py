@@ -2,14 +2,14 @@
 
 `StreamingQuantizer.quantize(..., quantization_config=TurboQuantConfig(calibration=...))` writes the tensors that
 `from_pretrained(src, quantization_config=cfg, dtype=...)` followed by `save_pretrained` writes (the same
-`calibration.calibrate_blocks` pass on the same inputs), without holding the model:
+`sequential.calibrate_blocks` pass on the same inputs), without holding the model:
 
 1. the model is built from its config with every parameter on the meta device (buffers, such as rotary
    frequencies, are computed as usual on the CPU or the chosen device);
 2. the calibration batches run through the layers before the block stack, whose weights are read from the
    safetensors when a module first runs (the input embeddings, mostly); each block passes its hidden states through
    unchanged, so that only its call (position embeddings, masks) is recorded; those weights are then dropped;
-3. for each block: its weights are read (only its tensors, by positioned reads), `calibration.calibrate_block`
+3. for each block: its weights are read (only its tensors, by positioned reads), `sequential.calibrate_block`
    quantizes its planned modules, the block runs on its quantized weights to give the next block its inputs, the
    packed tensors are handed to the converter's shard writer, and the block's tensors go back to the meta device;
 4. the converter's slice pipeline writes every other tensor: those kept as they are, and the planned modules
@@ -32,7 +32,7 @@ from torch import nn
 from ..format.shards import TORCH_DTYPES, ConversionError, SliceWriter, SourceReader
 from ..modeling.modules import to_norms_dtype
 from ..quantization import planning
-from . import sequential as calibration
+from . import sequential
 from .data import _kind, calibration_batches, describe
 
 
@@ -104,7 +104,7 @@ class StreamingCalibration:
             raise ConversionError("CalibrationConfig(block_steps=...): the block-wise tuning changes the blocks' "
                                   "vector parameters, which the streaming converter copies from the source; quantize "
                                   "with the model loaded whole, or set block_steps=0")
-        self.damping, self.options = calibration.settings(cal)
+        self.damping, self.options = sequential.settings(cal)
         self.device = device
         model_config = AutoConfig.from_pretrained(source_dir)
         dtype = dtype if dtype is not None else _auto_dtype(model_config)
@@ -112,13 +112,13 @@ class StreamingCalibration:
             self.model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
         self.model.eval()
         self.batches = calibration_batches(cal, self.model)
-        config.calibrated_with = {**describe(cal, self.batches), "method": calibration.METHOD}
+        config.calibrated_with = {**describe(cal, self.batches), "method": sequential.METHOD}
         config.calibrated_with["damping"] = self.damping
-        options = calibration.record_settings(cal)["options"]
+        options = sequential.record_settings(cal)["options"]
         if options:
             config.calibrated_with["options"] = options
         self.plan = planning.from_config(self.model, config)
-        found = calibration.find_block_stack(self.model, self.plan)
+        found = sequential.find_block_stack(self.model, self.plan)
         if found is None:
             raise ConversionError(f"{source_dir}: no stack of blocks holds the quantized modules; calibrate with the "
                                   "model loaded whole")
@@ -173,7 +173,7 @@ class StreamingCalibration:
         outside = [(n, m) for n, m in self.model.named_modules() if n != self.stack_name and not n.startswith(stack)]
         handles = [m.register_forward_pre_hook(onload(n)) for n, m in outside]
         try:
-            hidden, calls = calibration.capture_block_inputs(self.model, self.blocks, self.batches, run_blocks=False)
+            hidden, calls = sequential.capture_block_inputs(self.model, self.blocks, self.batches, run_blocks=False)
         except (RuntimeError, NotImplementedError) as e:
             if "meta" not in str(e):
                 raise
@@ -219,7 +219,7 @@ class StreamingCalibration:
             hidden, calls = self.capture()
             self.peak_resident = max(self.peak_resident, resident_bytes(self.model))
             self.plan_experts = set(self.plan.experts)
-            self.blocks_done = calibration.calibrate_blocks(self.model, self.plan, self.stack_name, hidden, calls,
+            self.blocks_done = sequential.calibrate_blocks(self.model, self.plan, self.stack_name, hidden, calls,
                                                             self.damping, self.options, onload, offload)
         finally:
             self.reader.close()

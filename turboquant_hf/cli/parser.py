@@ -1,4 +1,4 @@
-"""The `turboquant-hf` command line's arguments (the commands themselves are in `cli`)."""
+"""The `turboquant-hf` command line's arguments (the commands themselves are in `commands`)."""
 
 from __future__ import annotations
 

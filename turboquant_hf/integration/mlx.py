@@ -5,7 +5,7 @@ digits per word for ternary, running across the whole row), `P.scales` (per-grou
 its length gives the tier: 3 ternary, 4/8/16 for 2/3/4 bits) and `P.signs` (f16 `(in,)`, the row rotation's
 signs). Loading repacks the indices losslessly into the per-group byte layout of `codec` (the scales become the
 norms, the codebook and signs are kept as they are), so the modules compute exactly what the file describes:
-`W = (codebook[idx] * scale) @ T.T / sqrt(b) * signs` per block of b inputs (see `rotation`). Nothing is
+`W = (codebook[idx] * scale) @ T.T / sqrt(b) * signs` per block of b inputs (see `format.hadamard`). Nothing is
 dequantized or requantized.
 
 MLX names differ from transformers': experts are stacked under `mlp.switch_mlp.{gate,up,down}_proj`,

@@ -213,7 +213,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
                             f"{name}.{attr}: expected shape {shape}, got {got} on {t.device}"
                         )
         patches.end_placeholder_lookups(model)
-        for module in model.modules():  # weights on a GPU: the kernels' runtime layout (`layout.wanted`)
+        for module in model.modules():  # weights on a GPU: the kernels' runtime layout (`runtime_layout.wanted`)
             if isinstance(module, TurboQuantWeight):
                 module.use_runtime_layout_()
         self._restore_requested_dtype(model)

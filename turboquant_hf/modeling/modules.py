@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from .. import kernels  # noqa: F401,I001  (after ops: registers the Triton kernels as their CUDA implementations)
-from ..format import codec
+from ..format import codec, hadamard
 from ..format import constants as fmt
-from ..format import hadamard as rotation_
 from ..format import runtime_layout as layout
 from . import ops  # noqa: F401  (registers torch.ops.turboquant)
 from .activations import CLAMPED_SWIGLU, check_activation
@@ -67,7 +66,7 @@ class TurboQuantWeight(nn.Module):
 
     `rotation` says how the activations are rotated before the codebook product:
     - `"groups"` (tq3_native): per group, the seed-42 Walsh-Hadamard transform; the codebook is a format constant.
-    - `"hadamard"` (turboquant-mlx checkpoints): over the whole input row (see `rotation`), with this module's
+    - `"hadamard"` (turboquant-mlx checkpoints): over the whole input row (see `format.hadamard`), with this module's
       signs `tq_signs` `(in,)`; its codebook `tq_codebook` `(n_levels,)` is stored too, and `tq_norms` holds
       the per-group scales. The input width must then be a multiple of G.
     """
@@ -241,7 +240,7 @@ class TurboQuantWeight(nn.Module):
         if self.rotation == "hadamard":
             w = codec.rotated_weight(self.published_packed(), self.tq_norms.float(), self.tq_codebook.float(),
                                      self.group_size)
-            return rotation_.unrotate_rows(w, self.tq_signs.float()).to(dtype)
+            return hadamard.unrotate_rows(w, self.tq_signs.float()).to(dtype)
         return codec.dequantize_weight(self.published_packed(), self.tq_norms, self.in_features, self.group_size, dtype=dtype)
 
     def extra_repr(self) -> str:

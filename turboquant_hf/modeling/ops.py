@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..format import codec
+from ..format import codec, hadamard, runtime_layout
 from ..format import constants as fmt
-from ..format import hadamard as rotation
-from ..format import runtime_layout as layout
 from . import cpu_kernel
 from .activations import ACTIVATIONS, check_activation, gated
 from .routing import expert_groups, routed_groups, sort_routing  # noqa: F401  (re-exported: ops.expert_groups)
@@ -67,7 +65,7 @@ def _weight_blocks(packed, norms, codebook, group_size: int, reuse_buffer: bool 
     scratch = codec.decode_scratch(min(rows, block) * n_groups * group_size, codebook.dtype) if reuse_buffer else None
     for start in range(0, rows, block):
         stop = min(rows, start + block)
-        chunk = layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
+        chunk = runtime_layout.codes(packed[start * n_groups : stop * n_groups], codebook.numel(), group_size, n_groups)
         yield start, stop, codec.rotated_weight(chunk, norms[start:stop], codebook, group_size, out=scratch)
 
 
@@ -79,7 +77,7 @@ def check_weight(packed: torch.Tensor, norms: torch.Tensor, codebook: torch.Tens
         raise ValueError(f"TurboQuant weight: norms must be (rows, n_groups) and the codebook 3, 4, 8 or 16 entries, "
                          f"got norms {tuple(norms.shape)} and {n_levels} entries")
     rows, n_groups = norms.shape
-    width = (layout.runtime_width(n_levels, group_size) if layout.is_runtime(packed)
+    width = (runtime_layout.runtime_width(n_levels, group_size) if runtime_layout.is_runtime(packed)
              else fmt.bytes_per_group(n_levels, group_size))
     if packed.dim() != 2 or tuple(packed.shape) != (rows * n_groups, width):
         raise ValueError(f"TurboQuant weight: packed indices of shape {tuple(packed.shape)} do not hold {rows} rows "
@@ -328,9 +326,9 @@ def turboquant_hadamard_linear(
     group_size: int,
     in_features: int,
 ) -> torch.Tensor:
-    """`x[..., in_features] @ W.T` for `W = (codebook[idx] * norm) @ T.T / sqrt(b) * signs` (see `rotation`)."""
+    """`x[..., in_features] @ W.T` for `W = (codebook[idx] * norm) @ T.T / sqrt(b) * signs` (see `format.hadamard`)."""
     lead = x.shape[:-1]
-    x_rot = rotation.rotate_rows(x.reshape(-1, in_features).to(torch.float32), signs.float())
+    x_rot = hadamard.rotate_rows(x.reshape(-1, in_features).to(torch.float32), signs.float())
     y = codebook_matmul(x_rot, packed, norms.float(), codebook.float(), group_size)
     return y.to(x.dtype).reshape(*lead, norms.shape[0])
 
@@ -372,8 +370,8 @@ def turboquant_hadamard_moe_experts(
     ng_h, ng_i = gate_norms.shape[1], down_norms.shape[1]
     act = ACTIVATIONS[activation]
     x = hidden.to(torch.float32)
-    x_gate = rotation.rotate_rows(x, gate_signs.float())  # once per token, shared by all its experts
-    x_up = x_gate if torch.equal(gate_signs, up_signs) else rotation.rotate_rows(x, up_signs.float())
+    x_gate = hadamard.rotate_rows(x, gate_signs.float())  # once per token, shared by all its experts
+    x_up = x_gate if torch.equal(gate_signs, up_signs) else hadamard.rotate_rows(x, up_signs.float())
     d_signs = down_signs.float()
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
     for e, tok, slot in routed_groups(top_k_index, num_experts):
@@ -382,7 +380,7 @@ def turboquant_hadamard_moe_experts(
                                gate_norms[rows_i].float(), gate_codebook.float(), g_h)
         up = codebook_matmul(x_up[tok], up_packed[e * inter * ng_h : (e + 1) * inter * ng_h],
                              up_norms[rows_i].float(), up_codebook.float(), g_h)
-        mid = rotation.rotate_rows(act(gate) * up, d_signs)
+        mid = hadamard.rotate_rows(act(gate) * up, d_signs)
         y = codebook_matmul(mid, down_packed[e * h * ng_i : (e + 1) * h * ng_i],
                             down_norms[e * h : (e + 1) * h].float(), down_codebook.float(), g_i)
         out.index_add_(0, tok, y * top_k_weights[tok, slot, None].float())

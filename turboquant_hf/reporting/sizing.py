@@ -13,7 +13,7 @@ import torch
 
 from ..format import checkpoint as ckpt
 from ..format import constants as fmt
-from ..format import runtime_layout as layout
+from ..format import runtime_layout
 from ..modeling.modules import TurboQuantWeight
 from ..quantization import planning
 from ..quantization.config import TurboQuantConfig
@@ -110,7 +110,7 @@ def plan_memory(config: dict, tensors: dict, cfg, kv_dtype: str = "bf16", contex
         n_levels = fmt.levels_for_bits(bits)
         groups = rows * -(-in_features // G)
         packed = groups * (fmt.bytes_per_group(n_levels, G) + _norm_bytes(n_levels))
-        on_gpu = layout.gpu_bytes_per_group(n_levels, G)
+        on_gpu = runtime_layout.gpu_bytes_per_group(n_levels, G)
         split.add(name, packed, groups * (on_gpu + _norm_bytes(n_levels)), in_features=in_features)
         t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
                                     "base_bytes": 0})
@@ -218,7 +218,8 @@ def plan_stored_memory(config: dict, tensors: dict, tq_config: dict | None = Non
         bits = fmt.bits_for_levels(n_levels)
         stored = sum(nbytes(n) for n in names)
         # a CUDA device holds the packed codes in the runtime layout where one exists (ternary: 2-bit codes)
-        gpu_extra = rows * n_groups * (layout.gpu_bytes_per_group(n_levels, g) - fmt.bytes_per_group(n_levels, g))
+        extra_per_group = runtime_layout.gpu_bytes_per_group(n_levels, g) - fmt.bytes_per_group(n_levels, g)
+        gpu_extra = rows * n_groups * extra_per_group
         t = tiers.setdefault(bits, {"bits": bits, "tensors": 0, "params": 0, "bytes": 0, "gpu_bytes": 0,
                                     "base_bytes": 0})
         t["tensors"] += 1
