@@ -4,6 +4,7 @@ no module or function too large to read."""
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 
 import pytest
@@ -158,6 +159,35 @@ def test_an_import_of_a_higher_layer_is_found():
     assert _layer("turboquant_hf.settings") < _layer("turboquant_hf.format.constants") < _layer("turboquant_hf.cli")
     assert _layer("turboquant_hf.lora") == _layer("turboquant_hf") == _layer("turboquant_hf.cli.commands")
     assert _layer("turboquant_hf.format") == _layer("turboquant_hf.format.codec") < _layer("turboquant_hf.kernels")
+
+
+# the modules a user could import at their old, flat paths: the same module objects as their homes
+KEPT_PATHS = {"config": "quantization.config", "modules": "modeling.modules", "ops": "modeling.ops",
+              "codec": "format.codec", "checkpoint": "format.checkpoint", "recipes": "quantization.recipes",
+              "quantizer": "integration.quantizer", "lora": "integration.lora", "evaluation": "reporting.evaluation",
+              "streaming": "conversion.streaming"}
+
+
+@pytest.mark.parametrize("old", sorted(KEPT_PATHS))
+def test_old_paths_are_the_modules(old):
+    if old == "lora":
+        pytest.importorskip("peft")
+    module = importlib.import_module(f"turboquant_hf.{old}")
+    assert module is importlib.import_module(f"turboquant_hf.{KEPT_PATHS[old]}")
+    import turboquant_hf
+
+    assert getattr(turboquant_hf, old) is module  # (after `import turboquant_hf`, as before for those it imported)
+
+
+def test_old_package_names():
+    import turboquant_hf
+    from turboquant_hf.calibration import calibrate_model, rtn_quantize
+    from turboquant_hf.calibration.sequential import calibrate_model as home
+    from turboquant_hf.calibration.sequential import rtn_quantize as rtn_home
+    from turboquant_hf.format import constants
+
+    assert turboquant_hf.format.codebook is constants.codebook and turboquant_hf.format.TERNARY == constants.TERNARY
+    assert calibrate_model is home is turboquant_hf.calibrate_model and rtn_quantize is rtn_home
 
 
 def _functions(path: str):

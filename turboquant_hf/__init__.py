@@ -7,7 +7,7 @@ and `from_pretrained(saved_dir)` work.
 
 from __future__ import annotations
 
-from . import format
+from . import checkpoint, codec, config, format, modules, ops, quantizer, recipes  # noqa: F401  (old paths)
 from .calibration.gptq import gptq_rotated
 from .calibration.sequential import calibrate_model
 from .format.codec import dequantize_weight, quantize_weight
