@@ -4,7 +4,7 @@
                                  [--methods rtn text data-free budget sentences] [--tokens 16384] [--samples 128]
                                  [--write benchmarks/QUALITY.md]  (keeps the file's "## Decisions" section)
                                  [--readme]  (rewrites the table between README.md's quality-table markers)
-                                 [--json rows.json] [--distill-steps N] [--block-steps N]  (calibrated rows: N steps a
+                                 [--json rows.json] [--distill-steps N] [--block-steps N] [--block-lr LR]  (calibrated rows: N steps a
                                  block after its rounding, then N distillation steps)
 
 The rows behind QUALITY.md and the README's table are kept in benchmarks/quality_rows.json; both are rewritten from
@@ -83,7 +83,7 @@ def quant_config(method: str, bits, args, sequence_length: int, samples: int | N
     data = "data-free" if method == "data-free" else calibration_file()
     cal = CalibrationConfig(data=data, samples=samples or args.samples, sequence_length=sequence_length, seed=0,
                             distill_steps=getattr(args, "distill_steps", 0),
-                            block_steps=getattr(args, "block_steps", 0))
+                            block_steps=getattr(args, "block_steps", 0), block_lr=getattr(args, "block_lr", 1e-2))
     if method == "budget":
         return TurboQuantConfig(bits=3, group_size=128, calibration=cal, target_bits_per_weight=BUDGET)
     return TurboQuantConfig(bits=bits, group_size=128, calibration=cal)
@@ -196,9 +196,11 @@ def sentence_batches(tok, count: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.tensor([tok(found[i], truncation=True, max_length=128)["input_ids"]]) for i in order]
 
 
-def calibrated_on_sentences(row: dict, base_dir: str, bits, tok, count: int):
+def calibrated_on_sentences(row: dict, base_dir: str, bits, tok, count: int, block_steps: int = 0,
+                            block_lr: float = 1e-2):
     """all-MiniLM-L6-v2 calibrated by `calibration.calibrate_model` on `count` single sentences of the calibration
-    plays (a list of strings given to `CalibrationConfig` is joined into one stream and cut into windows instead)."""
+    plays (a list of strings given to `CalibrationConfig` is joined into one stream and cut into windows instead),
+    each layer's norms then tuned `block_steps` steps to the float layer's outputs."""
     from transformers import AutoModel
 
     from turboquant_hf.calibration.sequential import calibrate_model
@@ -206,12 +208,16 @@ def calibrated_on_sentences(row: dict, base_dir: str, bits, tok, count: int):
     t = time.perf_counter()
     model = AutoModel.from_pretrained(base_dir, dtype=torch.float32)
     batches = sentence_batches(tok, count)
-    config = TurboQuantConfig(bits=bits, group_size=128, calibration=CalibrationConfig(data=["sentences"]))
+    config = TurboQuantConfig(bits=bits, group_size=128, calibration=CalibrationConfig(data=["sentences"],
+                                                                                        block_steps=block_steps,
+                                                                                        block_lr=block_lr))
     summary = calibrate_model(model, config, batches)
     row["quantize_s"] = round(time.perf_counter() - t, 1)
     config.calibrated_with = {"source": "sentences of " + ", ".join(CALIBRATION_PLAYS), "samples": len(batches),
                               "sequence_length": "1 sentence", "tokens": sum(b.numel() for b in batches),
                               "method": summary["method"]}
+    if "block_tuned" in summary:
+        config.calibrated_with["block_tuned"] = summary["block_tuned"]
     model.config.quantization_config = config
     return model
 
@@ -229,7 +235,8 @@ def encoder_rows(args) -> list[dict]:
         for method in [m for m in args.methods if m in ("rtn", "text", "sentences")]:
             row = {"model": name, "bits": bits, "method": method, "sentences": len(texts)}
             if method == "sentences":
-                model = calibrated_on_sentences(row, base_dir, bits, tok, args.calibration_sentences)
+                model = calibrated_on_sentences(row, base_dir, bits, tok, args.calibration_sentences, args.block_steps,
+                                                args.block_lr)
             else:
                 config = quant_config(method, bits, args, 128, samples=args.encoder_samples)
                 model = quantized(row, AutoModel, base_dir, config, args.direct)
@@ -389,6 +396,8 @@ def main() -> None:
                    help="all-MiniLM-L6-v2 `text` rows: calibration windows of 128 tokens (default 64)")
     p.add_argument("--calibration-sentences", type=int, default=512,
                    help="all-MiniLM-L6-v2 `sentences` rows: calibration sentences (default 512)")
+    p.add_argument("--block-lr", type=float, default=1e-2,
+                   help="calibrated rows: the block tuning's learning rate (CalibrationConfig.block_lr)")
     p.add_argument("--block-steps", type=int, default=0,
                    help="calibrated rows: tuning steps a block after its rounding (CalibrationConfig.block_steps)")
     p.add_argument("--distill-steps", type=int, default=0,

