@@ -50,7 +50,8 @@ def main() -> None:
     calibrate = args.calibration != "none"
 
     base_dir = smollm2_base()
-    print(f"base checkpoint: {base_dir} ({folder_bytes(base_dir) / 1e6:.1f} MB of safetensors, bf16)")
+    shown = base_dir.replace(os.path.expanduser("~"), "~", 1)
+    print(f"base checkpoint: {shown} ({folder_bytes(base_dir) / 1e6:.1f} MB of safetensors, bf16)")
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
 
     t = time.perf_counter()
