@@ -22,17 +22,19 @@ DEFINES = ((), ("TQ_NO_AVX512",), ("TQ_PORTABLE",))
 
 def main() -> int:
     cc = cpu_kernel._compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[0] if cc else "-"
+    version = "-"
+    if cc:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[0]
     with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    model = names[0] if names else platform.processor()
     print(f"CPU: {model}; compiler: {cc} ({version}); torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("kernel in use:", cpu_kernel.status())
-    saved, threads = cpu_kernel._FLAG_SETS, torch.get_num_threads()
+    threads = torch.get_num_threads()
     try:
         for flags in FLAG_SETS:
-            cpu_kernel._FLAG_SETS = (flags,)
             for defines in DEFINES:
-                path, why = cpu_kernel.build(defines)
+                path, why = cpu_kernel.build(defines, (flags,))
                 label = " ".join(flags + tuple(f"-D{d}" for d in defines))
                 if path is None:
                     print(f"{label}: not built ({why[:200]})")
@@ -43,7 +45,6 @@ def main() -> int:
                     print(f"{label}, {n} thread(s): {cpu_kernel.self_check(lib) or 'agrees with the reference'}")
                 torch.set_num_threads(threads)
     finally:
-        cpu_kernel._FLAG_SETS = saved
         torch.set_num_threads(threads)
     return 0
 

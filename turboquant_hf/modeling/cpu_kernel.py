@@ -73,9 +73,11 @@ def _cache_dir() -> str:
     return os.path.join(base, "turboquant-hf", "cpu-kernel")
 
 
-def build(defines: tuple[str, ...] = ()) -> tuple[str | None, str]:
-    """Compile `cpu_kernel.c` (with `-D` for each of `defines`) unless a build of the same source, compiler and
-    machine is cached; returns (path of the shared library, "") or (None, why not)."""
+def build(defines: tuple[str, ...] = (),
+          flag_sets: tuple[tuple[str, ...], ...] = _FLAG_SETS) -> tuple[str | None, str]:
+    """Compile `cpu_kernel.c` (with `-D` for each of `defines`; the first of `flag_sets` that builds) unless a build
+    of the same source, compiler, flags and machine is cached; returns (path of the shared library, "") or (None,
+    why not)."""
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found (set CC, or install cc, gcc or clang)"
@@ -86,7 +88,8 @@ def build(defines: tuple[str, ...] = ()) -> tuple[str | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
     key = hashlib.sha256(b"\0".join([source, cc.encode(), version, _machine().encode(),
-                                      repr((_FLAG_SETS, _FLAGS)).encode(), *(d.encode() for d in defines)])).hexdigest()[:16]
+                                      repr((flag_sets, _FLAGS)).encode(), *(d.encode() for d in defines)]))
+    key = key.hexdigest()[:16]
     errors = []
     user = os.getuid() if hasattr(os, "getuid") else "user"
     for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"turboquant-hf-{user}")):
@@ -101,7 +104,7 @@ def build(defines: tuple[str, ...] = ()) -> tuple[str | None, str]:
         except OSError as e:  # not writable: the next folder
             errors.append(f"{folder}: {e}")
             continue
-        for flags in _FLAG_SETS:
+        for flags in flag_sets:
             cmd = [cc, *flags, *_FLAGS, *(f"-D{d}" for d in defines), SOURCE, "-o"]
             try:
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
